@@ -1,0 +1,196 @@
+"""Every torch.distributed call of hf_acco: the collectives of one round and the background round runner.
+
+A round uses its **own** process group: the main thread may run collectives on the default group at the same
+time (Trainer gathers metrics, users call barriers), and two threads issuing collectives on one group can
+deadlock (seen in 3 of 3 runs on gloo). ``Communicator`` is created collectively: every rank must construct it
+at the same point, in the same order as its other groups.
+
+Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
+
+* ``nccl``: native ``reduce_scatter_single``.
+* ``gloo``: ``all_to_all_single`` of each bucket and a local sum. gloo's reduce-scatter is an all-reduce
+  underneath, so the native call plus the all-gather moves ~1.5x the bytes of one all-reduce; the all-to-all
+  spelling moves (N-1)/N of the buffer, and with the all-gather a round moves what one all-reduce moves.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .sharding import FlatLayout
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+REDUCE_SCATTER_SPELLINGS = ("auto", "native", "all_to_all")
+
+
+def check_world_size(expected: int, group: dist.ProcessGroup | None = None) -> None:
+    """Fail with launch instructions if torch.distributed and the launcher disagree on the world size."""
+    actual = dist.get_world_size(group) if dist.is_initialized() else 1
+    if actual != expected:
+        raise RuntimeError(
+            f"torch.distributed has {actual} ranks but the launcher (Accelerate) reports {expected} processes. "
+            "On CPU, start 2 gloo ranks with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
+            "accelerate_configs/cpu_2proc.yaml ...` (distributed_type MULTI_GPU, num_processes 2) or "
+            "`torchrun --nproc_per_node 2 ...` with `Accelerator(cpu=True)`; MULTI_CPU silently starts one "
+            "process without mpirun."
+        )
+
+
+class Communicator:
+    """The collectives of one ACCO round, on a dedicated process group.
+
+    Args:
+        group: the ranks to train over (``None``: the whole world). A new group over the same ranks is created.
+        reduce_scatter: ``"auto"`` (per backend, see the module docstring), ``"native"`` or ``"all_to_all"``.
+        max_inflight: buckets in flight at once (bounds the all-to-all receive buffers).
+        timeout: collective timeout of the round's group; a dead peer raises instead of hanging forever.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        reduce_scatter: str = "auto",
+        max_inflight: int = 4,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        if reduce_scatter not in REDUCE_SCATTER_SPELLINGS:
+            raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER_SPELLINGS}, got {reduce_scatter!r}")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised. Launch with `accelerate launch` or `torchrun`, or call "
+                "`torch.distributed.init_process_group` before building the ACCO optimizer."
+            )
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        self.group = dist.new_group(ranks=ranks, timeout=timeout)  # collective: same order on every rank
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.backend = dist.get_backend(self.group)
+        if reduce_scatter == "auto":
+            reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
+        self.reduce_scatter_spelling = reduce_scatter
+        self.max_inflight = max(1, max_inflight)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
+    ) -> dist.Work | None:
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank), group=self.group)
+
+    def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        """``shard`` <- this rank's shard of the sum over ranks of ``flat`` (``flat`` may be overwritten)."""
+        if self.world_size == 1:
+            shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0].reshape(-1))
+            return
+        if self.reduce_scatter_spelling == "native":
+            works = [
+                _reduce_scatter(layout.shard_piece(shard, b), layout.bucket(flat, b), group=self.group, async_op=True)
+                for b in range(layout.num_buckets)
+            ]
+            for w in works:
+                w.wait()
+            return
+        # all-to-all: rank j sends its chunk r of each bucket to rank r; r sums the world_size chunks it receives.
+        pending: list[tuple[int, torch.Tensor, dist.Work]] = []
+        for b in range(layout.num_buckets):
+            if len(pending) >= self.max_inflight:
+                self._sum_received(layout, shard, *pending.pop(0))
+            recv = torch.empty_like(layout.bucket(flat, b))
+            work = dist.all_to_all_single(recv, layout.bucket(flat, b), group=self.group, async_op=True)
+            pending.append((b, recv, work))
+        for item in pending:
+            self._sum_received(layout, shard, *item)
+
+    @staticmethod
+    def _sum_received(layout: FlatLayout, shard: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work) -> None:
+        work.wait()
+        torch.sum(recv.view(layout.world_size, layout.chunk), dim=0, out=layout.shard_piece(shard, b))
+
+    def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
+        """``flat`` <- every rank's shard. With ``shard=None`` each rank's pieces are already in ``flat``."""
+        works = []
+        for b in range(layout.num_buckets):
+            own = layout.piece(flat, b, self.rank) if shard is None else layout.shard_piece(shard, b)
+            if self.world_size == 1:
+                layout.piece(flat, b, 0).copy_(own)
+                continue
+            works.append(_all_gather(layout.bucket(flat, b), own, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+
+
+@dataclass
+class RoundHandle:
+    """A round launched in the background. ``wait()`` returns its result and orders the caller's stream."""
+
+    future: Future
+    launched_at: float = field(default_factory=time.perf_counter)
+
+    def done(self) -> bool:
+        if not self.future.done():
+            return False
+        event = self.future.result()[1] if self.future.exception() is None else None
+        return event is None or event.query()
+
+    def wait(self) -> Any:
+        result, event = self.future.result()  # re-raises an exception of the round
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)  # main stream reads what the round wrote
+        return result
+
+
+class CompletedRound(RoundHandle):
+    """Stands for a round whose output is already in place (after a resume)."""
+
+    def __init__(self, result: Any = None) -> None:
+        future: Future = Future()
+        future.set_result((result, None))
+        super().__init__(future)
+
+
+class RoundRunner:
+    """Runs one round at a time on a background thread; on CUDA, on its own stream.
+
+    Ordering on CUDA: ``launch`` records an event on the caller's stream after the caller filled the round's
+    buffer; the side stream waits for it before the round's first kernel, and records ``done`` after its last.
+    ``RoundHandle.wait`` makes the caller's stream wait for ``done`` before it reads the round's output.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-round")
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._lock = threading.Lock()
+
+    def launch(self, fn: Callable[[], Any]) -> RoundHandle:
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._stream.device))
+
+        def run() -> tuple[Any, torch.cuda.Event | None]:
+            if self._stream is None:
+                return fn(), None
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                result = fn()
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            return result, done
+
+        with self._lock:
+            return RoundHandle(self._pool.submit(run))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

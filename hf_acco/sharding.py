@@ -1,0 +1,211 @@
+"""Flat layout of the trainable parameters and its shards (pure torch, no process group).
+
+Every trainable parameter appears once (tied weights are one ``Parameter`` object) at a fixed offset of one
+flat index space of ``numel`` elements. The space is padded to ``padded_numel = num_buckets * world_size *
+chunk`` and cut into ``num_buckets`` contiguous buckets of ``world_size * chunk`` elements; inside each bucket,
+rank ``r`` owns the ``r``-th chunk. A rank's shard is the concatenation of its chunks over the buckets
+(``shard_numel = num_buckets * chunk`` elements).
+
+Why buckets interleave ownership: a reduce-scatter or all-gather of bucket ``b`` then reads and writes one
+contiguous slice of the flat buffer and one contiguous slice of the shard, so several buckets can be in flight
+with no staging copies. With one bucket this is the usual ZeRO-1 contiguous sharding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BUCKET_NUMEL = 1 << 20  # elements per bucket across all ranks (4 MiB of fp32)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of shard elements ``[start, end)`` that belongs to one parameter group."""
+
+    start: int
+    end: int
+    group: int
+
+
+class FlatLayout:
+    """Where each trainable parameter lives in the flat buffers, and which elements each rank owns.
+
+    Args:
+        params: the trainable parameters, each once.
+        names: one name per parameter (used in checkpoints and error messages).
+        groups: the parameter-group index of each parameter (weight decay etc. are per group).
+        world_size: number of ranks the space is sharded over.
+        bucket_numel: target number of elements per bucket (all ranks together).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        groups: Sequence[int],
+        world_size: int,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    ) -> None:
+        if not params:
+            raise ValueError(
+                "ACCO found no trainable parameters: every parameter has requires_grad=False. "
+                "Unfreeze at least one parameter (or attach a LoRA adapter) before building the optimizer."
+            )
+        if not (len(params) == len(names) == len(groups)):
+            raise ValueError("params, names and groups must have the same length")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        _check_no_shared_storage(params, names)
+        self.params = list(params)
+        self.names = list(names)
+        self.groups = list(groups)
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+        self.world_size = world_size
+        self.num_buckets = max(1, math.ceil(self.numel / max(1, bucket_numel)))
+        self.chunk = math.ceil(self.numel / (self.num_buckets * world_size))
+        self.bucket_size = world_size * self.chunk
+        self.padded_numel = self.num_buckets * self.bucket_size
+        self.shard_numel = self.num_buckets * self.chunk
+
+    # ---- flat buffers -------------------------------------------------------------------------------------
+
+    def new_flat(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(self.padded_numel, device=device, dtype=dtype)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views (shaped like the parameters) into a flat buffer."""
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def flatten(self, tensors: Iterable[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Copy per-parameter tensors into ``out`` (padding untouched), casting to its dtype."""
+        torch._foreach_copy_(self.views(out), [t.detach() for t in tensors])
+        return out
+
+    def bucket(self, flat: torch.Tensor, b: int) -> torch.Tensor:
+        return flat[b * self.bucket_size : (b + 1) * self.bucket_size]
+
+    def piece(self, flat: torch.Tensor, b: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s chunk of bucket ``b`` inside a flat buffer (contiguous)."""
+        start = b * self.bucket_size + rank * self.chunk
+        return flat[start : start + self.chunk]
+
+    def shard_piece(self, shard: torch.Tensor, b: int) -> torch.Tensor:
+        """Bucket ``b``'s chunk inside a shard (contiguous)."""
+        return shard[b * self.chunk : (b + 1) * self.chunk]
+
+    # ---- shards -------------------------------------------------------------------------------------------
+
+    def shard_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """A copy of rank ``rank``'s shard of a padded flat buffer."""
+        return flat.view(self.num_buckets, self.world_size, self.chunk)[:, rank].reshape(-1).clone()
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The unpadded flat vector (``numel`` elements) from every rank's shard, in rank order."""
+        if len(shards) != self.world_size:
+            raise ValueError(f"need {self.world_size} shards, got {len(shards)}")
+        return unshard(shards, self.num_buckets, self.chunk, self.numel)
+
+    def pad(self, full: torch.Tensor) -> torch.Tensor:
+        """An unpadded flat vector padded with zeros to ``padded_numel``."""
+        out = torch.zeros(self.padded_numel, dtype=full.dtype, device=full.device)
+        out[: full.numel()] = full
+        return out
+
+    def shard_segments(self, rank: int) -> list[Segment]:
+        """Maximal runs of this rank's shard that hold real (non-padding) elements of one group."""
+        segments: list[Segment] = []
+        for b in range(self.num_buckets):
+            lo = b * self.bucket_size + rank * self.chunk  # flat index of the shard piece's start
+            hi = lo + self.chunk
+            for off, n, g in zip(self.offsets, self.numels, self.groups):
+                start, end = max(lo, off), min(hi, off + n)
+                if start >= end:
+                    continue
+                s_start = b * self.chunk + (start - lo)
+                s_end = s_start + (end - start)
+                if segments and segments[-1].end == s_start and segments[-1].group == g:
+                    segments[-1] = Segment(segments[-1].start, s_end, g)
+                else:
+                    segments.append(Segment(s_start, s_end, g))
+        return segments
+
+    # ---- identity -----------------------------------------------------------------------------------------
+
+    def meta(self) -> dict:
+        """What a checkpoint records to check that it fits the model it is loaded into."""
+        return {
+            "names": list(self.names),
+            "shapes": [list(s) for s in self.shapes],
+            "groups": list(self.groups),
+            "numel": self.numel,
+            "world_size": self.world_size,
+            "num_buckets": self.num_buckets,
+            "chunk": self.chunk,
+        }
+
+    def check_matches(self, meta: dict) -> None:
+        """Raise a clear error if a checkpoint's layout describes other parameters than this one."""
+        mine = self.meta()
+        if meta["names"] != mine["names"] or meta["shapes"] != mine["shapes"]:
+            detail = _first_difference(meta["names"], meta["shapes"], mine["names"], mine["shapes"])
+            raise ValueError(
+                "The ACCO checkpoint does not match this model's trainable parameters "
+                f"({detail}). Load it into the same model with the same trainable parameters "
+                "(same LoRA config / frozen layers), or start without resuming."
+            )
+        if meta["groups"] != mine["groups"]:
+            raise ValueError(
+                "The ACCO checkpoint assigns parameters to different optimizer groups (weight decay / no decay) "
+                "than this run. Use the same optimizer grouping as the run that wrote it."
+            )
+
+    def check_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Raise if the model's trainable parameters changed since the layout was built."""
+        if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
+            raise RuntimeError(
+                "The model's trainable parameters changed after the ACCO optimizer was built (new Parameter "
+                "objects: resize_token_embeddings, load_state_dict(assign=True), re-wrapping?). Build the "
+                "optimizer after the model is final."
+            )
+        for p, name, shape in zip(params, self.names, self.shapes):
+            if tuple(p.shape) != shape:
+                raise RuntimeError(f"Parameter {name} changed shape from {shape} to {tuple(p.shape)}.")
+
+
+def unshard(shards: Sequence[torch.Tensor], num_buckets: int, chunk: int, numel: int) -> torch.Tensor:
+    """The unpadded flat vector from every rank's shard (rank order) of a layout with this geometry."""
+    stacked = torch.stack([s.reshape(num_buckets, chunk) for s in shards], dim=1)
+    return stacked.reshape(-1)[:numel]
+
+
+def _check_no_shared_storage(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Distinct Parameter objects that share memory would get separate gradients: refuse them."""
+    spans = []
+    for p, name in zip(params, names):
+        if p.numel() == 0:
+            continue
+        start = p.data_ptr()
+        spans.append((start, start + p.numel() * p.element_size(), name))
+    spans.sort()
+    for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ValueError(
+                f"Parameters {n0!r} and {n1!r} are distinct objects that share memory. Tie weights by making "
+                "them the same Parameter object (as `tie_weights()` does), so ACCO counts them once."
+            )
+
+
+def _first_difference(names_a, shapes_a, names_b, shapes_b) -> str:
+    for i, (na, sa, nb, sb) in enumerate(zip(names_a, shapes_a, names_b, shapes_b)):
+        if na != nb or list(sa) != list(sb):
+            return f"parameter {i}: checkpoint has {na} {list(sa)}, model has {nb} {list(sb)}"
+    return f"checkpoint has {len(names_a)} trainable parameters, model has {len(names_b)}"

@@ -1,0 +1,70 @@
+"""Run a function on N forked gloo ranks and collect what each returns.
+
+Each rank writes its result (or its traceback) to a file; the parent kills every rank as soon as one fails or
+the timeout passes, so a mismatched collective fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _entry(fn: Callable, rank: int, world_size: int, store_path: str, out_path: str, kwargs: dict) -> None:
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, **kwargs)
+        dist.barrier()
+        dist.destroy_process_group()
+        torch.save({"ok": True, "result": result}, out_path)
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, out_path)
+        os._exit(1)
+    os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
+    """``fn(rank, world_size, **kwargs)`` on ``world_size`` forked processes; returns their results by rank."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, store, outs[r], kwargs)) for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        results, errors = [], []
+        for r, path in enumerate(outs):
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}; killed after timeout?)")
+                continue
+            data = torch.load(path, weights_only=False)
+            if data["ok"]:
+                results.append(data["result"])
+            else:
+                errors.append(f"rank {r}:\n{data['error']}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results
