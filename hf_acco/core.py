@@ -183,6 +183,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._wait_s = 0.0
         self._rounds: list[RoundResult] = []
         self.last_step_stats: dict[str, float] = {}
+        self.last_commit: RoundResult | None = None  # the latest commit round waited for
 
     # ---- the user's loop ----------------------------------------------------------------------------------
 
@@ -383,6 +384,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         result = handle.wait()
         if isinstance(result, RoundResult) and (not self._rounds or self._rounds[-1] is not result):
             self._rounds.append(result)
+            if result.kind is RoundKind.COMMIT:
+                self.last_commit = result
         return time.perf_counter() - t0
 
     # ---- internals: the round (background thread; touches only ``buf`` and the shard) ---------------------

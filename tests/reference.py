@@ -1,0 +1,132 @@
+"""A single-process implementation of the equations in docs/acco.md, used as the tests' oracle.
+
+It shares no code with hf_acco: full (unsharded) torch optimizer on the model's own parameters,
+``torch.nn.utils.clip_grad_norm_`` for clipping, and snapshot/restore (deepcopy) for the estimate step.
+Gradient sums are formed the way the equations say: per rank, micro-batch after micro-batch, then over ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, float]]
+
+
+class Reference:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        param_groups: list[dict],
+        optimizer_cls: type[torch.optim.Optimizer],
+        max_grad_norm: float | None,
+        loss_fn: LossFn,
+        **defaults,
+    ) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]  # model order, like the tests
+        self.opt = optimizer_cls(param_groups, **defaults)
+        self.max_grad_norm = max_grad_norm
+        self.loss_fn = loss_fn
+        self.norms: list[float] = []
+
+    def params_now(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def set_params(self, values: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(self.params, values):
+                p.copy_(v)
+
+    def grad_sum(self, at: Sequence[torch.Tensor], batches: Sequence[Batch], start=None):
+        """Σ g(at; ξ) over ``batches`` in order, added onto ``start``; and Σ weights."""
+        self.set_params(at)
+        sums = [s.clone() for s in start] if start is not None else [torch.zeros_like(p) for p in self.params]
+        weight = 0.0
+        for batch in batches:
+            for p in self.params:
+                p.grad = None
+            loss, w = self.loss_fn(self.model, batch)
+            loss.backward()
+            for s, p in zip(sums, self.params):
+                if p.grad is not None:
+                    s.add_(p.grad)
+            weight += w
+        return sums, weight
+
+    def update(self, theta: Sequence[torch.Tensor], avg_grad: Sequence[torch.Tensor], keep: bool):
+        """Opt(θ, s; ḡ) with clipping; with ``keep=False`` the state is restored afterwards."""
+        saved = None if keep else copy.deepcopy(self.opt.state_dict())
+        self.set_params(theta)
+        for p, g in zip(self.params, avg_grad):
+            p.grad = g.clone()
+        if self.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in avg_grad]))
+        if keep:
+            self.norms.append(float(norm))
+        self.opt.step()
+        out = self.params_now()
+        if saved is not None:
+            self.opt.load_state_dict(saved)
+        return out
+
+
+def _over_ranks(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    total = [t.clone() for t in per_rank[0]]
+    for other in per_rank[1:]:
+        for a, b in zip(total, other):
+            a.add_(b)
+    return total
+
+
+def _avg(sums, weight):
+    return [s / weight for s in sums]
+
+
+def run_sync(ref: Reference, steps: list[list[list[Batch]]]) -> list[list[torch.Tensor]]:
+    """θ_{t+1} = Opt(θ_t; Σ g(θ_t) / W). ``steps[t][rank]``: that rank's micro-batches of step t."""
+    theta, history = ref.params_now(), []
+    for per_rank in steps:
+        sums = [ref.grad_sum(theta, batches) for batches in per_rank]
+        theta = ref.update(theta, _avg(_over_ranks([s for s, _ in sums]), sum(w for _, w in sums)), keep=True)
+        history.append(theta)
+    return history
+
+
+def run_dpu(ref: Reference, steps: list[list[list[Batch]]]) -> list[list[torch.Tensor]]:
+    """θ_{t+1} = Opt(θ_t; ḡ(θ_{t-1})), θ_{-1} = θ_0."""
+    theta = ref.params_now()
+    previous, history = theta, []
+    for per_rank in steps:
+        sums = [ref.grad_sum(previous, batches) for batches in per_rank]
+        new = ref.update(theta, _avg(_over_ranks([s for s, _ in sums]), sum(w for _, w in sums)), keep=True)
+        previous, theta = theta, new
+        history.append(theta)
+    return history
+
+
+def run_acco(ref: Reference, steps: list[list[tuple[list[Batch], list[Batch]]]]) -> list[list[torch.Tensor]]:
+    """``steps[t][rank] = (half A batches, half B batches)``; returns the committed θ after each step."""
+    theta = ref.params_now()
+    estimate, history = theta, []
+    for per_rank in steps:
+        half_a = [ref.grad_sum(estimate, a) for a, _ in per_rank]
+        weight_a = sum(w for _, w in half_a)
+        next_estimate = ref.update(theta, _avg(_over_ranks([s for s, _ in half_a]), weight_a), keep=False)
+        full = [ref.grad_sum(theta, b, start=s) for (s, _), (_, b) in zip(half_a, per_rank)]
+        weight = weight_a + sum(w for _, w in full)
+        theta = ref.update(theta, _avg(_over_ranks([s for s, _ in full]), weight), keep=True)
+        estimate = next_estimate
+        history.append(theta)
+    return history
+
+
+def relative_error(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    fa = torch.cat([t.flatten().double() for t in a])
+    fb = torch.cat([t.flatten().double() for t in b])
+    return float((fa - fb).norm() / fb.norm())

@@ -1,0 +1,199 @@
+"""2 gloo ranks: each schedule equals the single-process reference of its equations, and DDP where it should."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hf_acco import ACCOOptimizer, Communicator, Phase
+
+from .dist_utils import run_ranks
+from .models import batch, decay_groups, mean_loss, tiny_llama, token_sum_loss
+from .reference import Reference, relative_error, run_acco, run_dpu, run_sync
+
+STEPS = 20
+MICRO = 4  # micro-batches per optimizer step per rank
+HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+WD = 0.1
+CLIP = 0.5
+LOSSES = {"mean": mean_loss, "tokens": token_sum_loss}
+
+
+class SlowCommunicator(Communicator):
+    """Delays every round (in its background thread) by ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def reduce_scatter(self, *args, **kwargs) -> None:
+        time.sleep(self.delay)
+        super().reduce_scatter(*args, **kwargs)
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_fixed(rank: int, world_size: int, schedule: str, loss: str = "mean", masked: bool = False) -> dict:
+    model = tiny_llama()
+    opt = ACCOOptimizer(decay_groups(model, WD), schedule=schedule, micro_batches=MICRO, max_grad_norm=CLIP, **HP)
+    history, norms = [], []
+    for t in range(STEPS):
+        for i in range(MICRO):
+            value, weight = LOSSES[loss](model, batch(rank, t * MICRO + i, masked))
+            value.backward()
+            opt.after_backward(weight)
+        assert opt.ready_to_step()
+        opt.step()
+        with opt.committed_parameters():  # waits for the commit round: timing changes, values do not
+            history.append(_params(model))
+        norms.append(opt.last_commit.grad_norm)
+    opt.close()
+    return {"history": history, "norms": norms}
+
+
+def reference_fixed(schedule: str, loss: str = "mean", masked: bool = False, world_size: int = 2):
+    model = tiny_llama()
+    ref = Reference(model, decay_groups(model, WD), torch.optim.AdamW, CLIP, LOSSES[loss], **HP)
+
+    def mbs(rank: int, t: int, lo: int, hi: int):
+        return [batch(rank, t * MICRO + i, masked) for i in range(lo, hi)]
+
+    if schedule == "acco":
+        plan = [[(mbs(r, t, 0, MICRO // 2), mbs(r, t, MICRO // 2, MICRO)) for r in range(world_size)] for t in range(STEPS)]
+        return run_acco(ref, plan), ref.norms
+    plan = [[mbs(r, t, 0, MICRO) for r in range(world_size)] for t in range(STEPS)]
+    return (run_sync if schedule == "sync" else run_dpu)(ref, plan), ref.norms
+
+
+def _assert_ranks_identical(results: list[dict]) -> None:
+    for t, (a, b) in enumerate(zip(results[0]["history"], results[1]["history"])):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"ranks differ after step {t}"
+
+
+@pytest.mark.parametrize("schedule", ["acco", "dpu", "sync"])
+def test_schedule_matches_reference(schedule: str) -> None:
+    results = run_ranks(train_fixed, schedule=schedule)
+    _assert_ranks_identical(results)
+    expected, norms = reference_fixed(schedule)
+    errors = [relative_error(got, want) for got, want in zip(results[0]["history"], expected)]
+    assert len(errors) == STEPS
+    assert max(errors) <= 1e-6, f"{schedule}: relative error per step {errors}"
+    # the parameters really moved, and clipping was active at least once
+    assert relative_error(expected[0], expected[-1]) > 1e-2
+    assert max(norms) > CLIP
+    # the engine's global gradient norm (before clipping) is clip_grad_norm_'s on the full averaged gradient
+    got_norms = results[0]["norms"]
+    assert got_norms == pytest.approx(norms, rel=1e-5)
+
+
+def test_token_weighted_acco_matches_reference() -> None:
+    results = run_ranks(train_fixed, schedule="acco", loss="tokens", masked=True)
+    _assert_ranks_identical(results)
+    expected, _ = reference_fixed("acco", loss="tokens", masked=True)
+    errors = [relative_error(got, want) for got, want in zip(results[0]["history"], expected)]
+    assert max(errors) <= 1e-6, errors
+
+
+def test_token_weighting_differs_from_count_weighting() -> None:
+    """Guards the test above: with uneven token counts the two averages give different trajectories."""
+    by_tokens, _ = reference_fixed("sync", loss="tokens", masked=True)
+    by_count, _ = reference_fixed("sync", loss="mean", masked=True)
+    assert relative_error(by_tokens[-1], by_count[-1]) > 1e-4
+
+
+def train_ddp(rank: int, world_size: int) -> list[torch.Tensor]:
+    model = tiny_llama()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(decay_groups(model, WD), **HP)
+    for t in range(STEPS):
+        for i in range(MICRO):
+            ctx = ddp.no_sync() if i < MICRO - 1 else torch.enable_grad()
+            with ctx:
+                (ddp(**batch(rank, t * MICRO + i)).loss / MICRO).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return _params(model)
+
+
+def test_sync_matches_ddp() -> None:
+    ddp = run_ranks(train_ddp)
+    ours = run_ranks(train_fixed, schedule="sync")
+    err = relative_error(ours[0]["history"][-1], ddp[0])
+    assert err <= 1e-5, err
+
+
+def train_dynamic(rank: int, world_size: int, steps: int, slow_rank_delay: float, round_delay: float) -> dict:
+    model = tiny_llama()
+    opt = ACCOOptimizer(
+        decay_groups(model, WD),
+        accumulation="dynamic",
+        max_grad_norm=CLIP,
+        communicator=SlowCommunicator(round_delay),
+        **HP,
+    )
+    plan, index = [], 0
+    for _ in range(steps):
+        halves: dict[Phase, list[int]] = {Phase.ESTIMATE: [], Phase.CORRECTION: []}
+        while True:
+            phase = opt.phase
+            if rank == 1:
+                time.sleep(slow_rank_delay)  # a slower GPU
+            value, weight = mean_loss(model, batch(rank, index))
+            value.backward()
+            opt.after_backward(weight)
+            halves[phase].append(index)
+            index += 1
+            if opt.ready_to_step():
+                break
+        opt.step()
+        plan.append((halves[Phase.ESTIMATE], halves[Phase.CORRECTION]))
+    with opt.committed_parameters():
+        final = _params(model)
+    opt.close()
+    return {"plan": plan, "final": final, "last_global": opt.last_commit.micro_batches}
+
+
+def test_dynamic_slow_rank_matches_reference_of_actual_assignment() -> None:
+    steps = 6
+    results = run_ranks(train_dynamic, steps=steps, slow_rank_delay=0.06, round_delay=0.25)
+    fast, slow = results
+    assert all(torch.equal(a, b) for a, b in zip(fast["final"], slow["final"]))
+    n_fast = sum(len(a) + len(b) for a, b in fast["plan"])
+    n_slow = sum(len(a) + len(b) for a, b in slow["plan"])
+    assert n_slow < n_fast, (n_fast, n_slow)
+    assert all(len(a) >= 1 and len(b) >= 1 for r in results for a, b in r["plan"])
+    last_a, last_b = fast["plan"][-1], slow["plan"][-1]
+    assert fast["last_global"] == len(last_a[0]) + len(last_a[1]) + len(last_b[0]) + len(last_b[1])
+    # the reference, replaying exactly which micro-batches each rank used in each half
+    model = tiny_llama()
+    ref = Reference(model, decay_groups(model, WD), torch.optim.AdamW, CLIP, mean_loss, **HP)
+    plan = [
+        [([batch(r, i) for i in results[r]["plan"][t][0]], [batch(r, i) for i in results[r]["plan"][t][1]]) for r in (0, 1)]
+        for t in range(steps)
+    ]
+    expected = run_acco(ref, plan)[-1]
+    assert relative_error(fast["final"], expected) <= 1e-6
+
+
+def train_lr_zero(rank: int, world_size: int) -> bool:
+    model = tiny_llama()
+    before = _params(model)
+    opt = ACCOOptimizer(model.parameters(), lr=0.0, micro_batches=2)
+    for i in range(6):
+        mean_loss(model, batch(rank, i))[0].backward()
+        opt.after_backward()
+        if opt.ready_to_step():
+            opt.step()
+    with opt.committed_parameters():
+        after = _params(model)
+    opt.close()
+    return all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_lr_zero_moves_nothing() -> None:
+    assert run_ranks(train_lr_zero) == [True, True]
