@@ -295,16 +295,17 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load this rank's shard (same world size) or a consolidated state (any world size). Collective."""
-        self._check_step_boundary("load_state_dict")
-        if state_dict.get("format") != STATE_FORMAT:
-            raise ValueError(f"Not an hf_acco optimizer state (format {state_dict.get('format')!r}).")
-        self.layout.check_matches(state_dict["layout"])
-        if state_dict["schedule"] != self.schedule.value:
-            raise ValueError(
-                f"The checkpoint was written with schedule {state_dict['schedule']!r}, this run uses "
-                f"{self.schedule.value!r}. Resume with the same schedule."
-            )
+        """Load this rank's shard (same world size) or a consolidated state (any world size). Collective.
+
+        Every rank validates its input first and the ranks agree before anything is changed: a bad shard on
+        one rank raises on every rank (instead of leaving the others waiting in a collective).
+        """
+        error = None
+        try:
+            self._validate_state(state_dict)
+        except ValueError as e:
+            error = e
+        self.raise_if_any_rank_failed(error)
         shard = self._shard_getter(state_dict)
         self.synchronize()
         self.shard.master.copy_(shard(state_dict["master"]))
@@ -326,6 +327,27 @@ class ACCOOptimizer(torch.optim.Optimizer):
             self.comm.all_gather(self.layout, None, self._comm)
             self._inflight, self._inflight_kind = CompletedRound(), RoundKind.COMMIT
         self.phase = Phase.ESTIMATE if self._schedule_now() is Schedule.ACCO else Phase.CORRECTION
+
+    def raise_if_any_rank_failed(self, error: Exception | None) -> None:
+        """Collective: raise ``error`` here, and an explanation on every other rank, if any rank has one."""
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.device)
+        self.comm.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError("Another rank could not load its ACCO optimizer state (see its error); nothing was loaded.")
+
+    def _validate_state(self, state_dict: dict[str, Any]) -> None:
+        self._check_step_boundary("load_state_dict")
+        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
+            raise ValueError("Not an hf_acco optimizer state (missing or unknown 'format').")
+        self.layout.check_matches(state_dict["layout"])
+        if state_dict["schedule"] != self.schedule.value:
+            raise ValueError(
+                f"The checkpoint was written with schedule {state_dict['schedule']!r}, this run uses "
+                f"{self.schedule.value!r}. Resume with the same schedule."
+            )
+        self._shard_getter(state_dict)
 
     # ---- internals: boundaries ----------------------------------------------------------------------------
 

@@ -1,0 +1,100 @@
+"""Per-rank optimizer shard files: written atomically, loaded with ``weights_only=True``, re-sharded on load.
+
+One file per rank, ``acco_optimizer_rank{r}_of_{n}.pt``, holding that rank's ``ACCOOptimizer.state_dict()``
+(master shard, optimizer state shard, the model's in-flight estimate shard, counters and the layout). A file is
+written under a temporary name, flushed to disk and renamed, so a crash mid-write never leaves a truncated file
+under the real name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .core import ACCOOptimizer, consolidate_state_dicts
+
+_SHARD_RE = re.compile(r"^acco_optimizer_rank(\d+)_of_(\d+)\.pt$")
+
+
+def shard_filename(rank: int, world_size: int) -> str:
+    return f"acco_optimizer_rank{rank}_of_{world_size}.pt"
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to ``path`` so that ``path`` holds either the old or the complete new file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> Path:
+    """Write this rank's shard into ``directory`` (every rank calls it). Returns the file written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / shard_filename(optimizer.comm.rank, optimizer.comm.world_size)
+    atomic_save(optimizer.state_dict(), path)
+    return path
+
+
+def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> None:
+    """Load the shards in ``directory`` into ``optimizer`` (collective), re-sharding if the world size changed."""
+    try:
+        states = _read_shards(Path(directory), optimizer.comm.rank, optimizer.comm.world_size)
+    except (ValueError, FileNotFoundError) as e:
+        optimizer.raise_if_any_rank_failed(e)  # every rank raises, none waits in a collective
+        raise
+    same_world = states[0]["layout"]["world_size"] == optimizer.comm.world_size
+    optimizer.load_state_dict(states[0] if same_world else consolidate_state_dicts(states))
+
+
+def _read_shards(directory: Path, rank: int, world_size: int) -> list[dict[str, Any]]:
+    """This rank's shard (same world size) or every shard (re-sharding)."""
+    found: dict[int, dict[int, Path]] = {}
+    for f in directory.glob("acco_optimizer_rank*_of_*.pt") if directory.is_dir() else []:
+        m = _SHARD_RE.match(f.name)
+        if m:
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
+    if not found:
+        raise FileNotFoundError(
+            f"No ACCO optimizer shards (acco_optimizer_rank*_of_*.pt) in {directory}. Was the checkpoint written "
+            "by an ACCO run? Resume from another checkpoint, or start without resuming."
+        )
+    if len(found) > 1:
+        raise ValueError(f"{directory} holds optimizer shards of several world sizes {sorted(found)}; keep one set.")
+    ((saved_world, files),) = found.items()
+    missing = sorted(set(range(saved_world)) - set(files))
+    if missing:
+        raise FileNotFoundError(
+            f"The checkpoint {directory} lacks the optimizer shards of ranks {missing} (of {saved_world}): it is "
+            "incomplete. Resume from an earlier checkpoint."
+        )
+    if saved_world == world_size:
+        return [_read(files[rank])]
+    return [_read(files[r]) for r in range(saved_world)]
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - turned into an actionable message
+        raise ValueError(
+            f"Could not read the ACCO optimizer shard {path} ({type(e).__name__}: {e}). The file is damaged; "
+            "resume from an earlier checkpoint."
+        ) from e

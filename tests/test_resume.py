@@ -1,0 +1,164 @@
+"""Exact resume from per-rank shard files, re-sharding 2 -> 1 and 1 -> 2 ranks, and what a bad load says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_acco import ACCOOptimizer
+from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
+
+from .dist_utils import run_ranks
+from .models import batch, decay_groups, mean_loss, tiny_llama
+
+HP = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.0}
+GLOBAL_MICRO = 8  # micro-batches per optimizer step, all ranks together
+VIRTUAL_RANKS = 2
+
+
+def step_batches(rank: int, world_size: int, t: int) -> list[dict]:
+    """This rank's micro-batches of step t: the same global set of 8 whatever the world size, halves kept."""
+    per_virtual = GLOBAL_MICRO // VIRTUAL_RANKS
+    mine = [v for v in range(VIRTUAL_RANKS) if v % world_size == rank]
+    first = [batch(v, t * per_virtual + i) for v in mine for i in range(per_virtual // 2)]
+    second = [batch(v, t * per_virtual + i) for v in mine for i in range(per_virtual // 2, per_virtual)]
+    return first + second
+
+
+def build(world_size: int, schedule: str, seed: int = 0) -> tuple[torch.nn.Module, ACCOOptimizer]:
+    model = tiny_llama(seed=seed)
+    opt = ACCOOptimizer(
+        decay_groups(model, 0.1), schedule=schedule, micro_batches=GLOBAL_MICRO // world_size, max_grad_norm=1.0, **HP
+    )
+    return model, opt
+
+
+def run_steps(model, opt, rank: int, world_size: int, start: int, stop: int) -> None:
+    for t in range(start, stop):
+        for b in step_batches(rank, world_size, t):
+            mean_loss(model, b)[0].backward()
+            opt.after_backward()
+        assert opt.ready_to_step()
+        opt.step()
+
+
+def snapshot(model, opt) -> dict:
+    held = [p.detach().clone() for p in model.parameters()]  # what the model computes with (the estimate)
+    with opt.committed_parameters():
+        committed = [p.detach().clone() for p in model.parameters()]
+    return {"held": held, "committed": committed}
+
+
+def train(rank: int, world_size: int, schedule: str, start: int, stop: int, load: str | None, save: str | None):
+    model, opt = build(world_size, schedule, seed=0 if load is None else 123)  # a resumed run starts elsewhere
+    if load is not None:
+        load_optimizer_state(opt, load)
+    run_steps(model, opt, rank, world_size, start, stop)
+    if save is not None:
+        save_optimizer_state(opt, save)
+    out = snapshot(model, opt)
+    opt.close()
+    return out
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("schedule", ["acco", "dpu", "sync"])
+def test_resume_is_bit_identical(tmp_path: Path, schedule: str) -> None:
+    straight = run_ranks(train, schedule=schedule, start=0, stop=8, load=None, save=None)
+    run_ranks(train, schedule=schedule, start=0, stop=4, load=None, save=str(tmp_path))
+    resumed = run_ranks(train, schedule=schedule, start=4, stop=8, load=str(tmp_path), save=None)
+    for r in range(2):
+        assert _equal(resumed[r]["committed"], straight[r]["committed"])
+        assert _equal(resumed[r]["held"], straight[r]["held"])  # the in-flight estimate too
+    assert not _equal(straight[0]["committed"], [p.detach() for p in tiny_llama().parameters()])
+
+
+def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    fa, fb = torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b])
+    return float((fa - fb).norm() / fb.norm())
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_reshard_continues_the_trajectory(tmp_path: Path, before: int, after: int) -> None:
+    straight = run_ranks(train, world_size=before, schedule="acco", start=0, stop=6, load=None, save=None)
+    run_ranks(train, world_size=before, schedule="acco", start=0, stop=3, load=None, save=str(tmp_path))
+    resumed = run_ranks(train, world_size=after, schedule="acco", start=3, stop=6, load=str(tmp_path), save=None)
+    assert _rel(resumed[0]["committed"], straight[0]["committed"]) < 1e-5
+    assert _rel(resumed[0]["held"], straight[0]["held"]) < 1e-5
+    moved = _rel(straight[0]["committed"], [p.detach() for p in tiny_llama().parameters()])
+    assert moved > 1e-2
+
+
+def load_into(rank: int, world_size: int, directory: str, model_kind: str) -> str:
+    """Try to resume; return the error message (or "loaded"), checking that a failed load changed nothing."""
+    if model_kind == "other-shape":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=80,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+        )
+        model = LlamaForCausalLM(config)
+    else:
+        model = tiny_llama()
+        if model_kind == "frozen-embeddings":
+            model.get_input_embeddings().weight.requires_grad_(False)
+    opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=4, **HP)
+    master_before = opt.shard.master.clone()
+    params_before = [p.detach().clone() for p in model.parameters()]
+    try:
+        load_optimizer_state(opt, directory)
+        return "loaded"
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        assert torch.equal(opt.shard.master, master_before), "a failed load changed the optimizer"
+        assert _equal([p.detach() for p in model.parameters()], params_before), "a failed load changed the model"
+        return f"{type(e).__name__}: {e}"
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize(
+    ("damage", "model_kind", "messages"),
+    [
+        (None, "other-shape", ["does not match this model's trainable parameters"] * 2),
+        (None, "frozen-embeddings", ["does not match this model's trainable parameters"] * 2),
+        ("missing", "same", ["lacks the optimizer shards of ranks [1]"] * 2),
+        ("tampered", "same", ["Another rank could not load", "is damaged"]),
+        ("empty-dir", "same", ["No ACCO optimizer shards"] * 2),
+        (None, "same", ["loaded", "loaded"]),
+    ],
+)
+def test_bad_checkpoint_gives_a_clear_error_and_changes_nothing(
+    tmp_path: Path, damage: str | None, model_kind: str, messages: list[str]
+) -> None:
+    run_ranks(train, schedule="acco", start=0, stop=1, load=None, save=str(tmp_path))
+    if damage == "missing":
+        (tmp_path / shard_filename(1, 2)).unlink()
+    elif damage == "tampered":
+        path = tmp_path / shard_filename(1, 2)
+        path.write_bytes(path.read_bytes()[:-100])
+    elif damage == "empty-dir":
+        for f in tmp_path.iterdir():
+            f.unlink()
+    got = run_ranks(load_into, directory=str(tmp_path), model_kind=model_kind, timeout=60)
+    for text, expected in zip(got, messages):
+        assert expected in text, got
+
+
+def test_checkpoint_files_load_with_weights_only(tmp_path: Path) -> None:
+    run_ranks(train, schedule="acco", start=0, stop=2, load=None, save=str(tmp_path))
+    for r in range(2):
+        state = torch.load(tmp_path / shard_filename(r, 2), weights_only=True)
+        assert state["rank"] == r and state["pending_commit"] is True
+    assert not [f for f in tmp_path.iterdir() if ".tmp" in f.name]
