@@ -1,0 +1,163 @@
+"""Engine behaviour beyond the equations: bad input, mixed dtypes, fp32 accumulation, lifecycle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_acco import ACCOOptimizer, check_world_size
+
+from .dist_utils import run_ranks
+from .models import batch, mean_loss, tiny_llama
+
+
+def _params():
+    return tiny_llama().parameters()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"micro_batches": 3}, "must be even and >= 2; got 3. Use 4"),
+        ({"micro_batches": 1}, "must be even and >= 2; got 1. Use 2"),
+        ({"micro_batches": 0, "schedule": "sync"}, "micro_batches must be >= 1"),
+        ({"schedule": "sync", "accumulation": "dynamic"}, "Use accumulation='fixed' with 'sync'"),
+        ({"schedule": "zero1"}, "schedule must be one of 'acco', 'dpu', 'sync'"),
+        ({"accumulation": "adaptive"}, "accumulation must be one of 'fixed', 'dynamic'"),
+        ({"accumulation": "dynamic", "min_micro_batches": 3, "max_micro_batches": 2}, "min_micro_batches"),
+        ({"optimizer_cls": torch.optim.LBFGS}, "needs an element-wise optimizer"),
+    ],
+)
+def test_bad_configuration_is_refused_before_any_collective(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ACCOOptimizer(_params(), lr=1e-3, **kwargs)
+
+
+def test_no_trainable_parameters() -> None:
+    model = tiny_llama()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ACCOOptimizer(model.parameters(), lr=1e-3)
+
+
+def test_needs_torch_distributed() -> None:
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        ACCOOptimizer(_params(), lr=1e-3)
+
+
+def _world_size_message(rank: int, world_size: int) -> str:
+    check_world_size(world_size)
+    try:
+        check_world_size(1)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_launcher_and_torch_distributed_disagree() -> None:
+    got = run_ranks(_world_size_message)
+    assert "torch.distributed has 2 ranks but the launcher (Accelerate) reports 1" in got[0]
+    assert "ACCELERATE_USE_CPU=1" in got[0]
+
+
+class MixedModel(torch.nn.Module):
+    """An fp32 base with a bf16 trainable adapter, like LoRA adapters kept in another dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = torch.nn.Linear(8, 8)
+        self.adapter = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x.bfloat16() @ self.adapter).float()
+
+
+def _mixed(rank: int, world_size: int) -> dict:
+    model = MixedModel()
+    opt = ACCOOptimizer(model.parameters(), lr=1e-2, micro_batches=4)
+    g = torch.Generator().manual_seed(rank)
+    bf16_grads = []
+    for i in range(4):
+        x = torch.randn(16, 8, generator=g)
+        model(x).square().mean().backward()
+        bf16_grads.append(opt._grad_views[id(model.adapter)].clone())
+        opt.after_backward()
+    accumulated = opt._grad_views[id(model.adapter)].clone()
+    opt.step()
+    for i in range(8):
+        model(torch.randn(16, 8, generator=g)).square().mean().backward()
+        opt.after_backward()
+        if opt.ready_to_step():
+            opt.step()
+    with opt.committed_parameters():
+        final = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return {"accumulated": accumulated, "views": bf16_grads, "final": final, "dtype": model.adapter.dtype}
+
+
+def test_mixed_dtypes_accumulate_in_fp32() -> None:
+    results = run_ranks(_mixed)
+    for r in results:
+        assert r["accumulated"].dtype == torch.float32
+        # each micro-batch's bf16 gradient, recovered from the running fp32 sum
+        steps = [r["views"][0]] + [b - a for a, b in zip(r["views"], r["views"][1:])]
+        in_bf16 = torch.zeros_like(steps[0], dtype=torch.bfloat16)
+        for s in steps:
+            assert torch.equal(s, s.bfloat16().float())  # really bf16 gradients
+            in_bf16 += s.bfloat16()
+        assert torch.equal(r["accumulated"], r["views"][-1])
+        assert not torch.equal(in_bf16.float(), r["accumulated"])  # a bf16 sum would have lost bits
+        assert r["dtype"] == torch.bfloat16
+        assert all(torch.isfinite(p.float()).all() for p in r["final"])
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["final"], results[1]["final"]))
+    assert not torch.equal(results[0]["final"][2].float(), MixedModel().adapter.float())
+
+
+def _close_and_misuse(rank: int, world_size: int) -> list[str]:
+    model = tiny_llama()
+    opt = ACCOOptimizer(model.parameters(), lr=1e-3, micro_batches=2)
+    messages = []
+    try:
+        opt.step()
+    except RuntimeError as e:
+        messages.append(str(e))
+    mean_loss(model, batch(rank, 0))[0].backward()
+    opt.after_backward()
+    try:
+        opt.state_dict()
+    except RuntimeError as e:
+        messages.append(str(e))
+    mean_loss(model, batch(rank, 1))[0].backward()
+    opt.after_backward()
+    opt.step()
+    opt.state_dict()  # fine at a step boundary
+    opt.close()
+    return messages
+
+
+def test_misuse_is_explained() -> None:
+    messages = run_ranks(_close_and_misuse)[0]
+    assert "before any micro-batch was accumulated" in messages[0]
+    assert "between optimizer steps" in messages[1]
+
+
+def _replaced_parameters(rank: int, world_size: int) -> str:
+    model = tiny_llama()
+    opt = ACCOOptimizer(model.parameters(), lr=1e-3, micro_batches=2)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # hook lost
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    for i in range(2):
+        mean_loss(model, batch(rank, i))[0].backward()
+        opt.after_backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_replaced_parameters_are_detected() -> None:
+    assert "No gradient reached the ACCO optimizer" in run_ranks(_replaced_parameters)[0]

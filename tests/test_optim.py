@@ -1,0 +1,79 @@
+"""The sharded optimizer: estimate = the step it would commit, and it leaves master and state bit-identical."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_acco.optim import ShardOptimizer, check_elementwise
+from hf_acco.sharding import Segment
+
+SEGMENTS = [Segment(0, 40, 0), Segment(40, 90, 1), Segment(90, 98, 0)]  # 98..100 is padding
+CASES = [
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95)}),
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),
+    (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.1}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),  # snapshot path
+]
+
+
+def _make(cls, kw, piece_numel=None):
+    torch.manual_seed(0)
+    master = torch.randn(100)
+    master[98:] = 0
+    hparams = [{"lr": kw["lr"], "weight_decay": kw["weight_decay"]}, {"lr": kw["lr"], "weight_decay": 0.0}]
+    return ShardOptimizer(master, SEGMENTS, hparams, cls, kw, piece_numel=piece_numel), hparams
+
+
+@pytest.mark.parametrize(("cls", "kw"), CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_estimate_leaves_state_bit_identical_and_equals_the_commit(cls, kw) -> None:
+    opt, hparams = _make(cls, kw)
+    out = torch.empty(100)
+    for i in range(5):
+        opt.grad.copy_(torch.randn(100))
+        opt.grad[98:] = 0
+        master = opt.master.clone()
+        flat, scalars = copy.deepcopy(opt.state_tensors())
+        opt.estimate(hparams, out)
+        assert torch.equal(opt.master, master)
+        flat2, scalars2 = opt.state_tensors()
+        assert flat.keys() == flat2.keys() and scalars.keys() == scalars2.keys()
+        assert all(torch.equal(flat[k], flat2[k]) for k in flat)
+        assert all(torch.equal(scalars[k], scalars2[k]) for k in scalars)
+        if i == 0:
+            assert not opt.inner.state or not flat  # before the first commit there is no state to keep
+        opt.commit(hparams)
+        assert torch.equal(out, opt.master), f"step {i}: estimate differs from the committed step"
+
+
+def test_estimate_into_strided_pieces() -> None:
+    """The round writes the estimate straight into this rank's pieces of the communication buffer."""
+    opt, hparams = _make(torch.optim.AdamW, CASES[0][1], piece_numel=25)
+    opt.grad.copy_(torch.randn(100))
+    opt.commit(hparams)
+    buffer = torch.zeros(4, 2, 25)  # 4 buckets x 2 ranks x 25: rank 0's pieces are buffer[:, 0]
+    opt.grad.copy_(torch.randn(100))
+    contiguous = torch.empty(100)
+    opt.estimate(hparams, contiguous)
+    opt.estimate(hparams, buffer[:, 0])
+    assert torch.equal(buffer[:, 0].reshape(-1), contiguous)
+    assert torch.all(buffer[:, 1] == 0)
+
+
+def test_weight_decay_is_per_element() -> None:
+    opt, hparams = _make(torch.optim.SGD, {"lr": 0.5, "weight_decay": 0.2})
+    before = opt.master.clone()
+    opt.grad.zero_()
+    opt.commit(hparams)
+    assert torch.allclose(opt.master[0:40], before[0:40] * (1 - 0.5 * 0.2))
+    assert torch.equal(opt.master[40:90], before[40:90])
+
+
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.SparseAdam])
+def test_non_elementwise_optimizers_are_refused(cls) -> None:
+    with pytest.raises(ValueError, match="element-wise optimizer"):
+        check_elementwise(cls)
+    check_elementwise(cls, allow_custom=True)

@@ -1,0 +1,73 @@
+"""The flat layout: each trainable parameter once, padding, shards, segments, identity checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_acco.sharding import FlatLayout
+
+from .models import tiny_llama
+
+
+def _layout(params, world_size=2, bucket_numel=1 << 20, groups=None):
+    names = [f"p{i}" for i in range(len(params))]
+    return FlatLayout(params, names, groups or [0] * len(params), world_size, bucket_numel)
+
+
+@pytest.mark.parametrize(("world_size", "bucket_numel"), [(1, 1 << 20), (2, 1 << 20), (3, 7), (4, 50)])
+def test_shards_cover_every_element_once(world_size: int, bucket_numel: int) -> None:
+    params = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2)]
+    layout = _layout(params, world_size, bucket_numel)
+    assert layout.padded_numel % world_size == 0
+    assert layout.padded_numel - layout.numel < layout.num_buckets * world_size
+    flat = layout.flatten(params, layout.new_flat("cpu"))
+    shards = [layout.shard_of(flat, r) for r in range(world_size)]
+    assert all(s.numel() == layout.shard_numel for s in shards)
+    assert torch.equal(layout.unshard(shards), flat[: layout.numel])
+    for p, v in zip(params, layout.views(flat)):
+        assert torch.equal(p, v)
+
+
+def test_segments_follow_groups_and_skip_padding() -> None:
+    params = [torch.randn(10), torch.randn(3), torch.randn(8)]
+    layout = _layout(params, world_size=2, bucket_numel=8, groups=[0, 1, 0])
+    flat = layout.new_flat("cpu")
+    marks = torch.cat([torch.full((10,), 0.0), torch.full((3,), 1.0), torch.full((8,), 0.0)])
+    flat[: layout.numel] = marks + 10  # 10 = group 0, 11 = group 1, 0 = padding
+    covered = 0
+    for r in range(2):
+        shard = layout.shard_of(flat, r)
+        for seg in layout.shard_segments(r):
+            assert torch.all(shard[seg.start : seg.end] == 10 + seg.group)
+            covered += seg.end - seg.start
+    assert covered == layout.numel
+
+
+def test_model_tied_and_frozen_parameters() -> None:
+    model = tiny_llama(tie=True)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    layout = _layout(trainable)
+    expected = sum(p.numel() for p in model.parameters() if p.requires_grad)  # parameters() dedups tied weights
+    assert layout.numel == expected
+
+
+def test_distinct_parameters_sharing_memory_are_refused() -> None:
+    base = torch.nn.Parameter(torch.randn(6))
+    alias = torch.nn.Parameter(base.data[:3])
+    with pytest.raises(ValueError, match="share memory"):
+        _layout([base, alias])
+
+
+def test_no_trainable_parameters_is_refused() -> None:
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        _layout([])
+
+
+def test_layout_mismatch_is_explained() -> None:
+    a = _layout([torch.randn(4, 4), torch.randn(4)])
+    b = _layout([torch.randn(4, 5), torch.randn(4)])
+    with pytest.raises(ValueError, match=r"parameter 0: checkpoint has p0 \[4, 5\], model has p0 \[4, 4\]"):
+        a.check_matches(b.meta())
