@@ -131,6 +131,22 @@ class Communicator:
             w.wait()
 
 
+class DelayedCommunicator(Communicator):
+    """A ``Communicator`` whose rounds each take ``delay_s`` longer (a sleep in the background thread).
+
+    Emulates a slow link without using CPU, for overlap experiments and tests: in a fixed-mode ACCO step the
+    delay hides behind compute up to the length of a half.
+    """
+
+    def __init__(self, delay_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.delay_s = delay_s
+
+    def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        time.sleep(self.delay_s)
+        super().reduce_scatter(layout, flat, shard)
+
+
 @dataclass
 class RoundHandle:
     """A round launched in the background. ``wait()`` returns its result and orders the caller's stream."""

@@ -7,7 +7,7 @@ import torch
 
 from hf_acco import ACCOOptimizer, check_world_size
 
-from .dist_utils import run_ranks
+from hf_acco.multiprocess import run_ranks
 from .models import batch, mean_loss, tiny_llama
 
 

@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
-from hf_acco import ACCOOptimizer, Communicator, Phase
+from hf_acco import ACCOOptimizer, Phase
+from hf_acco.comm import DelayedCommunicator
 
-from .dist_utils import run_ranks
+from hf_acco.multiprocess import run_ranks
 from .models import batch, decay_groups, mean_loss, tiny_llama, token_sum_loss
 from .reference import Reference, relative_error, run_acco, run_dpu, run_sync
 
@@ -19,18 +20,6 @@ HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 WD = 0.1
 CLIP = 0.5
 LOSSES = {"mean": mean_loss, "tokens": token_sum_loss}
-
-
-class SlowCommunicator(Communicator):
-    """Delays every round (in its background thread) by ``delay`` seconds."""
-
-    def __init__(self, delay: float) -> None:
-        super().__init__()
-        self.delay = delay
-
-    def reduce_scatter(self, *args, **kwargs) -> None:
-        time.sleep(self.delay)
-        super().reduce_scatter(*args, **kwargs)
 
 
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -133,7 +122,7 @@ def train_dynamic(rank: int, world_size: int, steps: int, slow_rank_delay: float
         decay_groups(model, WD),
         accumulation="dynamic",
         max_grad_norm=CLIP,
-        communicator=SlowCommunicator(round_delay),
+        communicator=DelayedCommunicator(round_delay),
         **HP,
     )
     plan, index = [], 0

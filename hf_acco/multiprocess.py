@@ -1,7 +1,8 @@
-"""Run a function on N forked gloo ranks and collect what each returns.
+"""Run a function on N forked gloo ranks on this machine and collect what each returns (tests, benchmarks).
 
-Each rank writes its result (or its traceback) to a file; the parent kills every rank as soon as one fails or
-the timeout passes, so a mismatched collective fails the test instead of hanging it.
+Like ``accelerate.debug_launcher`` but returning results: each rank writes its result (or its traceback) to a
+file; the parent kills every rank as soon as one fails or the timeout passes, so a mismatched collective fails
+instead of hanging. Fork start: set ``OMP_NUM_THREADS=1`` before torch is imported in the parent.
 """
 
 from __future__ import annotations
