@@ -124,8 +124,18 @@ def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
 
 
 def cmd_overlap(args: argparse.Namespace) -> list[dict]:
-    rows = run_ranks(overlap_rank, world_size=args.world_size, timeout=1800, args=vars(args))[0]["rows"]
-    print("| schedule | delay / half | T_compute (s) | T_round (s) | step (s) | max bound (s) | sum (s) | exposed (s) |")
+    cuda = args.device == "cuda"
+    rows = run_ranks(
+        overlap_rank,
+        world_size=args.world_size,
+        timeout=1800,
+        backend="nccl" if cuda else "gloo",
+        start_method="spawn" if cuda else "fork",
+        args=vars(args),
+    )[0]["rows"]
+    print(
+        "| schedule | delay / half | T_compute (s) | T_round (s) | step (s) | max bound (s) | sum (s) | exposed (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
@@ -236,8 +246,10 @@ def cmd_memory(args: argparse.Namespace) -> list[dict]:
     for schedule in ("sync", "acco", "dpu"):
         rows.append(run_ranks(memory_rank, schedule=schedule, hidden=args.hidden, layers=args.layers, timeout=900)[0])
     full = rows[0]["trainable_params"] * 4
-    print(f"trainable parameters: {rows[0]['trainable_params'] / 1e6:.1f} M; one fp32 full-size buffer = "
-          f"{full / 1e6:.1f} MB")
+    print(
+        f"trainable parameters: {rows[0]['trainable_params'] / 1e6:.1f} M; one fp32 full-size buffer = "
+        f"{full / 1e6:.1f} MB"
+    )
     print("| schedule | engine buffers (MB) | peak RSS rank 0 (MB) | RSS minus sync's (MB) | in full buffers |")
     print("|---|---|---|---|---|")
     for r in rows:

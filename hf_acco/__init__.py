@@ -2,8 +2,8 @@
 
 from .comm import Communicator, check_world_size
 from .core import (
-    Accumulation,
     ACCOOptimizer,
+    Accumulation,
     Phase,
     RoundKind,
     Schedule,

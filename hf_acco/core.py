@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import CompletedRound, Communicator, RoundHandle, RoundRunner
+from .comm import Communicator, CompletedRound, RoundHandle, RoundRunner
 from .optim import ShardOptimizer, check_elementwise
 from .sharding import DEFAULT_BUCKET_NUMEL, FlatLayout, unshard
 
@@ -335,7 +335,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         if failed.item():
-            raise RuntimeError("Another rank could not load its ACCO optimizer state (see its error); nothing was loaded.")
+            raise RuntimeError(
+                "Another rank could not load its ACCO optimizer state (see its error); nothing was loaded."
+            )
 
     def _validate_state(self, state_dict: dict[str, Any]) -> None:
         self._check_step_boundary("load_state_dict")

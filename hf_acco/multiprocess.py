@@ -19,11 +19,15 @@ import torch
 import torch.distributed as dist
 
 
-def _entry(fn: Callable, rank: int, world_size: int, store_path: str, out_path: str, kwargs: dict) -> None:
+def _entry(
+    fn: Callable, rank: int, world_size: int, backend: str, store_path: str, out_path: str, kwargs: dict
+) -> None:
     try:
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, **kwargs)
         dist.barrier()
         dist.destroy_process_group()
@@ -34,14 +38,26 @@ def _entry(fn: Callable, rank: int, world_size: int, store_path: str, out_path: 
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
-    """``fn(rank, world_size, **kwargs)`` on ``world_size`` forked processes; returns their results by rank."""
-    ctx = mp.get_context("fork")
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    timeout: float = 240.0,
+    backend: str = "gloo",
+    start_method: str = "fork",
+    **kwargs: Any,
+) -> list[Any]:
+    """``fn(rank, world_size, **kwargs)`` on ``world_size`` processes; returns their results by rank.
+
+    Use ``start_method="spawn"`` (and a module-level ``fn``) once CUDA may be initialised: CUDA does not survive
+    a fork.
+    """
+    ctx = mp.get_context(start_method)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, store, outs[r], kwargs)) for r in range(world_size)
+            ctx.Process(target=_entry, args=(fn, r, world_size, backend, store, outs[r], kwargs))
+            for r in range(world_size)
         ]
         for p in procs:
             p.start()

@@ -196,7 +196,7 @@ def _check_no_shared_storage(params: Sequence[torch.Tensor], names: Sequence[str
         start = p.data_ptr()
         spans.append((start, start + p.numel() * p.element_size(), name))
     spans.sort()
-    for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+    for (_s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise ValueError(
                 f"Parameters {n0!r} and {n1!r} are distinct objects that share memory. Tie weights by making "

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer, check_world_size
-
 from hf_acco.multiprocess import run_ranks
+
 from .models import batch, mean_loss, tiny_llama
 
 
@@ -78,14 +78,14 @@ def _mixed(rank: int, world_size: int) -> dict:
     opt = ACCOOptimizer(model.parameters(), lr=1e-2, micro_batches=4)
     g = torch.Generator().manual_seed(rank)
     bf16_grads = []
-    for i in range(4):
+    for _i in range(4):
         x = torch.randn(16, 8, generator=g)
         model(x).square().mean().backward()
         bf16_grads.append(opt._grad_views[id(model.adapter)].clone())
         opt.after_backward()
     accumulated = opt._grad_views[id(model.adapter)].clone()
     opt.step()
-    for i in range(8):
+    for _i in range(8):
         model(torch.randn(16, 8, generator=g)).square().mean().backward()
         opt.after_backward()
         if opt.ready_to_step():

@@ -9,8 +9,8 @@ import torch
 
 from hf_acco import ACCOOptimizer
 from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
-
 from hf_acco.multiprocess import run_ranks
+
 from .models import batch, decay_groups, mean_loss, tiny_llama
 
 HP = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.0}

@@ -9,8 +9,8 @@ import torch
 
 from hf_acco import ACCOOptimizer, Phase
 from hf_acco.comm import DelayedCommunicator
-
 from hf_acco.multiprocess import run_ranks
+
 from .models import batch, decay_groups, mean_loss, tiny_llama, token_sum_loss
 from .reference import Reference, relative_error, run_acco, run_dpu, run_sync
 
@@ -52,7 +52,9 @@ def reference_fixed(schedule: str, loss: str = "mean", masked: bool = False, wor
         return [batch(rank, t * MICRO + i, masked) for i in range(lo, hi)]
 
     if schedule == "acco":
-        plan = [[(mbs(r, t, 0, MICRO // 2), mbs(r, t, MICRO // 2, MICRO)) for r in range(world_size)] for t in range(STEPS)]
+        plan = [
+            [(mbs(r, t, 0, MICRO // 2), mbs(r, t, MICRO // 2, MICRO)) for r in range(world_size)] for t in range(STEPS)
+        ]
         return run_acco(ref, plan), ref.norms
     plan = [[mbs(r, t, 0, MICRO) for r in range(world_size)] for t in range(STEPS)]
     return (run_sync if schedule == "sync" else run_dpu)(ref, plan), ref.norms
@@ -162,7 +164,10 @@ def test_dynamic_slow_rank_matches_reference_of_actual_assignment() -> None:
     model = tiny_llama()
     ref = Reference(model, decay_groups(model, WD), torch.optim.AdamW, CLIP, mean_loss, **HP)
     plan = [
-        [([batch(r, i) for i in results[r]["plan"][t][0]], [batch(r, i) for i in results[r]["plan"][t][1]]) for r in (0, 1)]
+        [
+            ([batch(r, i) for i in results[r]["plan"][t][0]], [batch(r, i) for i in results[r]["plan"][t][1]])
+            for r in (0, 1)
+        ]
         for t in range(steps)
     ]
     expected = run_acco(ref, plan)[-1]

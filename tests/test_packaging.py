@@ -1,0 +1,23 @@
+"""The README's commands, .ci/run and the launch configs agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci/run").read_text().splitlines()
+    command = ci[ci.index(next(line for line in ci if "README test command" in line)) + 1]
+    assert command in (ROOT / "README.md").read_text()
+    assert command.startswith("python3 -m pip install torch==2.13.0 && ")  # torch first, pinned
+
+
+def test_cpu_launch_config_starts_two_ranks() -> None:
+    """MULTI_CPU silently starts one process without mpirun; MULTI_GPU + 2 processes takes the torchrun path."""
+    config = yaml.safe_load((ROOT / "accelerate_configs/cpu_2proc.yaml").read_text())
+    assert config["distributed_type"] == "MULTI_GPU"
+    assert config["num_processes"] == 2
