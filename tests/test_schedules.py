@@ -26,9 +26,18 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_fixed(rank: int, world_size: int, schedule: str, loss: str = "mean", masked: bool = False) -> dict:
+def train_fixed(
+    rank: int, world_size: int, schedule: str, loss: str = "mean", masked: bool = False, warmup_steps: int = 0
+) -> dict:
     model = tiny_llama()
-    opt = ACCOOptimizer(decay_groups(model, WD), schedule=schedule, micro_batches=MICRO, max_grad_norm=CLIP, **HP)
+    opt = ACCOOptimizer(
+        decay_groups(model, WD),
+        schedule=schedule,
+        micro_batches=MICRO,
+        max_grad_norm=CLIP,
+        warmup_steps=warmup_steps,
+        **HP,
+    )
     history, norms = [], []
     for t in range(STEPS):
         for i in range(MICRO):
@@ -81,6 +90,30 @@ def test_schedule_matches_reference(schedule: str) -> None:
     assert got_norms == pytest.approx(norms, rel=1e-5)
 
 
+@pytest.mark.parametrize("schedule", ["acco", "dpu"])
+def test_warmup_steps_are_synchronous_then_the_schedule_starts(schedule: str) -> None:
+    warmup = 3
+    results = run_ranks(train_fixed, schedule=schedule, warmup_steps=warmup)
+    model = tiny_llama()
+    ref = Reference(model, decay_groups(model, WD), torch.optim.AdamW, CLIP, mean_loss, **HP)
+
+    def mbs(rank: int, t: int, lo: int, hi: int):
+        return [batch(rank, t * MICRO + i) for i in range(lo, hi)]
+
+    expected = run_sync(ref, [[mbs(r, t, 0, MICRO) for r in (0, 1)] for t in range(warmup)])
+    if schedule == "acco":
+        rest = [
+            [(mbs(r, t, 0, MICRO // 2), mbs(r, t, MICRO // 2, MICRO)) for r in (0, 1)] for t in range(warmup, STEPS)
+        ]
+        expected += run_acco(ref, rest)
+    else:
+        expected += run_dpu(ref, [[mbs(r, t, 0, MICRO) for r in (0, 1)] for t in range(warmup, STEPS)])
+    errors = [relative_error(got, want) for got, want in zip(results[0]["history"], expected)]
+    assert len(errors) == STEPS and max(errors) <= 1e-6, errors
+    no_warmup, _ = reference_fixed(schedule)
+    assert relative_error(expected[-1], no_warmup[-1]) > 1e-4  # the warm-up changed the trajectory
+
+
 def test_token_weighted_acco_matches_reference() -> None:
     results = run_ranks(train_fixed, schedule="acco", loss="tokens", masked=True)
     _assert_ranks_identical(results)
@@ -118,10 +151,13 @@ def test_sync_matches_ddp() -> None:
     assert err <= 1e-5, err
 
 
-def train_dynamic(rank: int, world_size: int, steps: int, slow_rank_delay: float, round_delay: float) -> dict:
+def train_dynamic(
+    rank: int, world_size: int, schedule: str, steps: int, slow_rank_delay: float, round_delay: float
+) -> dict:
     model = tiny_llama()
     opt = ACCOOptimizer(
         decay_groups(model, WD),
+        schedule=schedule,
         accumulation="dynamic",
         max_grad_norm=CLIP,
         communicator=DelayedCommunicator(round_delay),
@@ -149,15 +185,17 @@ def train_dynamic(rank: int, world_size: int, steps: int, slow_rank_delay: float
     return {"plan": plan, "final": final, "last_global": opt.last_commit.micro_batches}
 
 
-def test_dynamic_slow_rank_matches_reference_of_actual_assignment() -> None:
+@pytest.mark.parametrize("schedule", ["acco", "dpu"])
+def test_dynamic_slow_rank_matches_reference_of_actual_assignment(schedule: str) -> None:
     steps = 6
-    results = run_ranks(train_dynamic, steps=steps, slow_rank_delay=0.06, round_delay=0.25)
+    results = run_ranks(train_dynamic, schedule=schedule, steps=steps, slow_rank_delay=0.06, round_delay=0.25)
     fast, slow = results
     assert all(torch.equal(a, b) for a, b in zip(fast["final"], slow["final"]))
     n_fast = sum(len(a) + len(b) for a, b in fast["plan"])
     n_slow = sum(len(a) + len(b) for a, b in slow["plan"])
     assert n_slow < n_fast, (n_fast, n_slow)
-    assert all(len(a) >= 1 and len(b) >= 1 for r in results for a, b in r["plan"])
+    halves = (0, 1) if schedule == "acco" else (1,)  # dpu has one phase (CORRECTION)
+    assert all(len(plan[h]) >= 1 for r in results for plan in r["plan"] for h in halves)
     last_a, last_b = fast["plan"][-1], slow["plan"][-1]
     assert fast["last_global"] == len(last_a[0]) + len(last_a[1]) + len(last_b[0]) + len(last_b[1])
     # the reference, replaying exactly which micro-batches each rank used in each half
@@ -170,7 +208,10 @@ def test_dynamic_slow_rank_matches_reference_of_actual_assignment() -> None:
         ]
         for t in range(steps)
     ]
-    expected = run_acco(ref, plan)[-1]
+    if schedule == "acco":
+        expected = run_acco(ref, plan)[-1]
+    else:
+        expected = run_dpu(ref, [[a + b for a, b in per_rank] for per_rank in plan])[-1]
     assert relative_error(fast["final"], expected) <= 1e-6
 
 
