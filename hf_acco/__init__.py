@@ -10,11 +10,15 @@ from .core import (
     consolidate_state_dicts,
 )
 from .sharding import FlatLayout
+from .config import ACCOConfig  # noqa: E402  (the Hugging Face glue; the modules above need only torch)
+from .trainer import ACCOTrainer  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ACCOConfig",
     "ACCOOptimizer",
+    "ACCOTrainer",
     "Accumulation",
     "Communicator",
     "FlatLayout",

@@ -184,6 +184,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._rounds: list[RoundResult] = []
         self.last_step_stats: dict[str, float] = {}
         self.last_commit: RoundResult | None = None  # the latest commit round waited for
+        self.totals = dict.fromkeys(("steps", "micro_batches", "weight", "wait_s", "round_s"), 0.0)  # since start
+        self._in_eval = False
+        self._eval_backup: torch.Tensor | None = None
 
     # ---- the user's loop ----------------------------------------------------------------------------------
 
@@ -193,6 +196,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         ``weight`` is what the gradient is averaged by: 1 when the loss is a mean over the micro-batch
         (average by micro-batch count), or the number of tokens when the loss is their sum (token-weighted).
         """
+        if self._in_eval:
+            raise RuntimeError("The ACCO optimizer is in eval mode (committed parameters loaded): call train() first.")
         if self._half_count == 0 and not self._step_counts:  # first micro-batch of a step
             self._check_devices()
         self._half_count += 1
@@ -252,16 +257,49 @@ class ACCOOptimizer(torch.optim.Optimizer):
     @contextlib.contextmanager
     def committed_parameters(self) -> Iterator[None]:
         """Inside, the model holds the committed parameters θ (not the estimate): evaluate or save there."""
-        self.synchronize()
-        if self._inflight_kind is not RoundKind.COMMIT:
-            yield  # the model already holds θ (sync, or ACCO's half B, or before the first step)
+        if self._in_eval:
+            yield
             return
-        backup = self.layout.flatten(self._params, self.layout.new_flat(self.device))
-        self._load_into_model(self._comm)
+        self.eval()
         try:
             yield
         finally:
-            self._load_into_model(backup)
+            self.train()
+
+    def eval(self) -> None:
+        """Put the committed parameters θ into the model (Trainer calls this before evaluating)."""
+        if self._in_eval:
+            return
+        self.synchronize()
+        if self._inflight_kind is RoundKind.COMMIT:  # else the model already holds θ
+            self._eval_backup = self.layout.flatten(self._params, self.layout.new_flat(self.device))
+            self._load_into_model(self._comm)
+        self._in_eval = True
+
+    def train(self) -> None:
+        """Give the model back what training computes with (Trainer calls this before every micro-batch)."""
+        if not self._in_eval:
+            return
+        if self._eval_backup is not None:
+            self._load_into_model(self._eval_backup)
+            self._eval_backup = None
+        self._in_eval = False
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """End of training: drain the round in flight and leave the committed parameters in the model.
+
+        A step cut short (training stopped in the middle of one) is dropped, as an optimizer step that never
+        happened. Training may continue afterwards: it restarts from θ as at the start (θ̃ = θ).
+        """
+        self.train()
+        self.synchronize()
+        if self._inflight_kind is RoundKind.COMMIT:
+            self._load_into_model(self._comm)
+        self._inflight, self._inflight_kind = None, None
+        self._accum.zero_()
+        self._half_count, self._half_weight, self._step_counts, self._hook_calls = 0, 0.0, [], 0
+        self.phase = Phase.ESTIMATE if self._schedule_now() is Schedule.ACCO else Phase.CORRECTION
 
     def close(self) -> None:
         """Drain the round in flight and release the background thread and the gradient hooks."""
@@ -278,7 +316,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._check_step_boundary("state_dict")
         self.synchronize()
         flat_state, scalars = self.shard.state_tensors()
-        model_flat = self.layout.flatten(self._params, self.layout.new_flat(self.device))
+        if self._eval_backup is not None:  # in eval mode the model holds θ; training resumes from the backup
+            model_flat = self._eval_backup
+        else:
+            model_flat = self.layout.flatten(self._params, self.layout.new_flat(self.device))
         return {
             "format": STATE_FORMAT,
             "rank": self.comm.rank,
@@ -307,6 +348,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
             error = e
         self.raise_if_any_rank_failed(error)
         shard = self._shard_getter(state_dict)
+        self.train()
         self.synchronize()
         self.shard.master.copy_(shard(state_dict["master"]))
         self.shard.load_state_tensors(
@@ -488,6 +530,14 @@ class ACCOOptimizer(torch.optim.Optimizer):
                 global_weight=commit[-1].weight,
                 grad_norm=commit[-1].grad_norm,
             )
+        for key, value in (
+            ("steps", 1.0),
+            ("micro_batches", micro_batches),
+            ("weight", weight),
+            ("wait_s", self._wait_s),
+            ("round_s", self.last_step_stats["round_s"]),
+        ):
+            self.totals[key] += value
         self._step_counts, self._wait_s, self._hook_calls = [], 0.0, 0
 
     def _shard_getter(self, state_dict: dict[str, Any]):
@@ -574,6 +624,23 @@ def _trainable(param_groups: list[dict[str, Any]]) -> list[tuple[str, torch.Tens
             "parameter (or attach a LoRA adapter) before building the optimizer."
         )
     return out
+
+
+def validate_settings(
+    schedule: str,
+    accumulation: str,
+    micro_batches: int,
+    min_micro_batches: int = 1,
+    max_micro_batches: int | None = None,
+) -> None:
+    """Raise a ValueError that says what to change if these ACCO settings cannot work together."""
+    _check_counts(
+        _enum(Schedule, schedule, "schedule"),
+        _enum(Accumulation, accumulation, "accumulation"),
+        micro_batches,
+        min_micro_batches,
+        max_micro_batches,
+    )
 
 
 def _check_counts(

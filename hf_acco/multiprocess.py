@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import tempfile
 import time
 import traceback
@@ -20,22 +21,33 @@ import torch.distributed as dist
 
 
 def _entry(
-    fn: Callable, rank: int, world_size: int, backend: str, store_path: str, out_path: str, kwargs: dict
+    fn: Callable, rank: int, world_size: int, backend: str | None, store_path: str, out_path: str, kwargs: dict
 ) -> None:
     try:
         torch.set_num_threads(1)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        if backend is None:  # the launcher's environment; the function (e.g. Accelerate) initialises the group
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+            os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
+        else:
+            if backend == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, **kwargs)
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
         torch.save({"ok": True, "result": result}, out_path)
     except BaseException:  # noqa: BLE001 - report everything to the parent
         torch.save({"ok": False, "error": traceback.format_exc()}, out_path)
         os._exit(1)
     os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_ranks(
@@ -48,10 +60,14 @@ def run_ranks(
 ) -> list[Any]:
     """``fn(rank, world_size, **kwargs)`` on ``world_size`` processes; returns their results by rank.
 
-    Use ``start_method="spawn"`` (and a module-level ``fn``) once CUDA may be initialised: CUDA does not survive
-    a fork.
+    ``backend=None`` sets the environment a launcher would (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and leaves
+    initialising the process group to ``fn`` (e.g. to Accelerate). Use ``start_method="spawn"`` (and a
+    module-level ``fn``) once CUDA may be initialised: CUDA does not survive a fork.
     """
     ctx = mp.get_context(start_method)
+    if backend is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]

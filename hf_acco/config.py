@@ -1,0 +1,113 @@
+"""ACCOConfig: TrainingArguments plus the ACCO settings (every field specific to ACCO starts with ``acco_``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .core import validate_settings
+from .sharding import DEFAULT_BUCKET_NUMEL
+
+
+@dataclass
+class ACCOConfig(TrainingArguments):
+    """[`~transformers.TrainingArguments`] for [`ACCOTrainer`].
+
+    ``gradient_accumulation_steps`` is the number of micro-batches per optimizer step per rank; with
+    ``acco_schedule="acco"`` and fixed accumulation it must be even (half of them per half), so it defaults to 2.
+
+    Parameters:
+        acco_schedule (`str`, *optional*, defaults to `"acco"`):
+            `"acco"` (estimate + correction halves), `"dpu"` (one-step delayed update) or `"sync"` (ZeRO-1, no
+            overlap; equals DDP).
+        acco_accumulation (`str`, *optional*, defaults to `"fixed"`):
+            `"fixed"`: `gradient_accumulation_steps` micro-batches per step per rank (reproducible). `"dynamic"`:
+            each rank keeps computing micro-batches while a round is in flight (slower and faster GPUs together).
+        acco_min_micro_batches (`int`, *optional*, defaults to 1):
+            Dynamic accumulation: least micro-batches per half per rank.
+        acco_warmup_steps (`int`, *optional*, defaults to 0):
+            Synchronous optimizer steps before the schedule starts (ACCO needs none; DPU often does).
+        acco_reduce_scatter (`str`, *optional*, defaults to `"auto"`):
+            How the reduce-scatter is spelled: `"auto"` (all-to-all on gloo, native on NCCL), `"native"`,
+            `"all_to_all"`.
+        acco_bucket_numel (`int`, *optional*):
+            Elements per communication bucket.
+        acco_comm_timeout_s (`float`, *optional*, defaults to 1800):
+            Timeout of the round's collectives: a dead peer raises an error after this long instead of hanging.
+    """
+
+    gradient_accumulation_steps: int = field(
+        default=2,
+        metadata={"help": "Micro-batches per optimizer step per rank (even for acco with fixed accumulation)."},
+    )
+    acco_schedule: str = field(
+        default="acco",
+        metadata={
+            "help": "acco (estimate + correction halves), dpu (one-step delayed update) or sync (ZeRO-1, no overlap).",
+            "choices": ["acco", "dpu", "sync"],
+        },
+    )
+    acco_accumulation: str = field(
+        default="fixed",
+        metadata={
+            "help": "fixed: gradient_accumulation_steps micro-batches per step per rank. dynamic: each rank keeps "
+            "computing micro-batches while a round is in flight.",
+            "choices": ["fixed", "dynamic"],
+        },
+    )
+    acco_min_micro_batches: int = field(
+        default=1, metadata={"help": "Dynamic accumulation: least micro-batches per half per rank."}
+    )
+    acco_warmup_steps: int = field(
+        default=0, metadata={"help": "Synchronous optimizer steps before the schedule starts."}
+    )
+    acco_reduce_scatter: str = field(
+        default="auto",
+        metadata={"help": "Reduce-scatter spelling.", "choices": ["auto", "native", "all_to_all"]},
+    )
+    acco_bucket_numel: int = field(
+        default=DEFAULT_BUCKET_NUMEL, metadata={"help": "Elements per communication bucket."}
+    )
+    acco_comm_timeout_s: float = field(
+        default=1800.0,
+        metadata={"help": "Timeout in seconds of the round's collectives (a dead peer raises instead of hanging)."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate_settings(
+            self.acco_schedule, self.acco_accumulation, self.gradient_accumulation_steps, self.acco_min_micro_batches
+        )
+        check_supported(self)
+        if self.acco_warmup_steps < 0:
+            raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
+        if self.acco_comm_timeout_s <= 0:
+            raise ValueError(f"acco_comm_timeout_s must be > 0, got {self.acco_comm_timeout_s}")
+
+
+def check_supported(args: TrainingArguments) -> None:
+    """Refuse settings ACCO cannot honour, with what to use instead."""
+    if args.fp16:
+        raise ValueError(
+            "ACCO does not support fp16 (it needs dynamic loss scaling, which would have to skip steps inside the "
+            "background round). Use bf16=True, or fp32."
+        )
+    if args.deepspeed:
+        raise ValueError(
+            "ACCO is its own ZeRO-1 sharded optimizer: do not combine it with DeepSpeed. Remove `deepspeed`, or use "
+            "transformers.Trainer with DeepSpeed instead."
+        )
+    if args.fsdp:
+        raise ValueError(
+            "ACCO shards the optimizer state (ZeRO-1) and keeps full parameters on every rank: it cannot run under "
+            "FSDP. Remove `fsdp`, or use transformers.Trainer with FSDP for models that do not fit on one device."
+        )
+    parallelism = getattr(args, "parallelism_config", None)
+    if parallelism is not None and any(
+        (getattr(parallelism, name, 1) or 1) > 1 for name in ("tp_size", "cp_size", "sp_size", "dp_shard_size")
+    ):
+        raise ValueError(
+            "ACCO is pure data parallelism: tensor, context, sequence parallelism and FSDP sharding are not "
+            "supported. Remove `parallelism_config`."
+        )

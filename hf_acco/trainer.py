@@ -1,0 +1,226 @@
+"""ACCOTrainer: transformers.Trainer with the ACCO sharded optimizer instead of DDP. Glue only.
+
+What it intercepts, and why (Trainer's loop itself is not copied or overridden):
+
+* ``_wrap_model``: Accelerate prepares the model without DDP (``evaluation_mode=True``): ACCO averages gradients.
+* ``create_optimizer``: builds the ACCOOptimizer with Trainer's weight-decay groups and ``optim`` choice.
+* ``training_step``: after Trainer's forward/backward, tells the engine a micro-batch is done, with the weight
+  that undoes Trainer's loss normalisation (so gradients are averaged exactly as Trainer+DDP averages them).
+* ``_clip_grad_norm`` / ``_get_grad_norm``: clipping happens inside the round, by the global norm.
+* ``save_model``, ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``: committed parameters
+  in the model files; one optimizer shard file per rank; re-sharding on load.
+* ``_finalize_training``: drain the round in flight and leave the committed parameters in the model.
+* ``log``: ACCO's figures (exposed communication, round time, micro-batches, tokens) next to the loss.
+
+Evaluation sees the committed parameters through the optimizer's ``eval()``/``train()``, which Trainer calls
+around evaluation and before every micro-batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+
+from .checkpoint import atomic_save, load_optimizer_state, save_optimizer_state
+from .comm import Communicator, check_world_size
+from .config import check_supported
+from .core import ACCOOptimizer, validate_settings
+from .optim import check_elementwise
+
+SCHEDULER_NAME = "scheduler.pt"
+
+
+def _setting(args: TrainingArguments, name: str, default: Any) -> Any:
+    """ACCO settings from an ACCOConfig, or ACCO's defaults when given plain TrainingArguments."""
+    return getattr(args, name, default)
+
+
+class ACCOTrainer(Trainer):
+    """Drop-in replacement for [`~transformers.Trainer`] that trains with ACCO (see [`ACCOConfig`])."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        training_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            check_supported(training_args)
+            validate_settings(
+                _setting(training_args, "acco_schedule", "acco"),
+                _setting(training_args, "acco_accumulation", "fixed"),
+                training_args.gradient_accumulation_steps,
+                _setting(training_args, "acco_min_micro_batches", 1),
+            )
+            if training_args.n_gpu > 1:
+                raise ValueError(
+                    "ACCO needs one process per GPU; this run sees several GPUs in one process (DataParallel). "
+                    "Launch with `accelerate launch` or `torchrun`."
+                )
+        optimizers = kwargs.get("optimizers")
+        if optimizers is not None and optimizers[0] is not None and not isinstance(optimizers[0], ACCOOptimizer):
+            raise ValueError(
+                "ACCOTrainer builds its own optimizer (the ACCO sharded optimizer). Choose the inner optimizer with "
+                "`optim`/`optim_args` or `optimizer_cls_and_kwargs`, and pass no optimizer instance."
+            )
+        super().__init__(*args, **kwargs)
+        if self.optimizer_cls_and_kwargs is None:
+            cls, _ = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+            check_elementwise(cls)
+        check_world_size(self.accelerator.num_processes)
+        self.acco: ACCOOptimizer | None = None
+        self._logged_totals: dict[str, float] = {}
+
+    # ---- model and optimizer ------------------------------------------------------------------------------
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        model = super()._wrap_model(model, training, dataloader)
+        if training and not getattr(model, "_is_accelerate_prepared", False):
+            # autocast, compile and device placement, but no DDP: the ACCO rounds average the gradients
+            model = self.accelerator.prepare_model(model, evaluation_mode=True)
+        return model
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "param_names": [n for n, _ in named if n in decay],
+             "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "param_names": [n for n, _ in named if n not in decay],
+             "weight_decay": 0.0},
+        ]  # fmt: skip
+        args = self.args
+        _ensure_process_group(self.accelerator.device)
+        self.acco = ACCOOptimizer(
+            [g for g in groups if g["params"]],
+            optimizer_cls=optimizer_cls,
+            schedule=_setting(args, "acco_schedule", "acco"),
+            accumulation=_setting(args, "acco_accumulation", "fixed"),
+            micro_batches=args.gradient_accumulation_steps,
+            min_micro_batches=_setting(args, "acco_min_micro_batches", 1),
+            max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
+            warmup_steps=_setting(args, "acco_warmup_steps", 0),
+            communicator=Communicator(
+                reduce_scatter=_setting(args, "acco_reduce_scatter", "auto"),
+                timeout=datetime.timedelta(seconds=_setting(args, "acco_comm_timeout_s", 1800.0)),
+            ),
+            bucket_numel=_setting(args, "acco_bucket_numel", 1 << 20),
+            **optimizer_kwargs,
+        )
+        # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)
+        self.optimizer = self.accelerator.prepare_optimizer(self.acco, device_placement=False)
+        return self.optimizer
+
+    # ---- training -----------------------------------------------------------------------------------------
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        weight = self._micro_batch_weight(inputs, num_items_in_batch)  # before compute_loss pops the labels
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.acco.after_backward(weight)
+        return loss
+
+    def _micro_batch_weight(self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None) -> float:
+        """The weight that undoes Trainer's normalisation of this micro-batch's loss.
+
+        Trainer divides a token-summed loss by the window's token count ``num_items_in_batch`` (times the number
+        of processes, which DDP divides out again), or a mean loss by the number of micro-batches in the window.
+        Giving each micro-batch the same factor times its share makes the engine's sum / weight the exact
+        token-weighted (or micro-batch) average, for each half of an ACCO step as for the whole step.
+        """
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None
+            )
+        if not scaled:
+            return 1.0 / self.current_gradient_accumulation_steps
+        if num_items_in_batch is None:
+            return 1.0
+        if "shift_labels" in inputs:
+            labels = inputs["shift_labels"]
+        else:
+            labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
+        tokens = float(labels.ne(-100).sum())
+        factor = 1.0
+        if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
+            factor = float(self.accelerator.num_processes // self.get_tp_size())
+        return tokens * factor / float(num_items_in_batch)
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> None:
+        return None  # clipped inside the round, by the norm of the globally averaged gradient
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> float | None:
+        return None  # Trainer asks before the step; the norm is known after it (see _maybe_log_save_evaluate)
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
+        # The global norm (before clipping) of the latest commit round that finished: this step's for sync,
+        # the previous step's for acco and dpu, whose commit round is still in flight when the step ends.
+        if self.acco is not None and self.acco.last_commit is not None:
+            grad_norm = self.acco.last_commit.grad_norm
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        if self.acco is not None:
+            self.acco.finalize()
+        return super()._finalize_training(*args, **kwargs)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.acco is None:
+            return super().save_model(output_dir, _internal_call)
+        with self.acco.committed_parameters():  # never the estimate
+            super().save_model(output_dir, _internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_optimizer_state(self.acco, output_dir)  # every rank writes its own shard
+        if self.args.should_save:
+            atomic_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        load_optimizer_state(self.acco, checkpoint)  # collective; re-shards if the world size changed
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, map_location="cpu", weights_only=True))
+
+    # ---- logging ------------------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.acco is not None and "loss" in logs:
+            logs.update(self._acco_metrics())
+        super().log(logs, start_time)
+
+    def _acco_metrics(self) -> dict[str, float]:
+        """Per optimizer step since the last log: exposed communication, round time, micro-batches, weight."""
+        totals = dict(self.acco.totals)
+        delta = {k: v - self._logged_totals.get(k, 0.0) for k, v in totals.items()}
+        self._logged_totals = totals
+        steps = max(delta["steps"], 1.0)
+        out = {
+            "acco_exposed_comm_s": delta["wait_s"] / steps,
+            "acco_round_s": delta["round_s"] / steps,
+            "acco_micro_batches": delta["micro_batches"] / steps,
+        }
+        if self.acco.last_commit is not None:
+            out["acco_global_micro_batches"] = float(self.acco.last_commit.micro_batches)
+        return out
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """A one-process run still needs a process group for the engine: make a single-rank one."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

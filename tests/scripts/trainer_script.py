@@ -1,0 +1,88 @@
+"""A training script written for transformers.Trainer. `--acco` changes the two class names, nothing else.
+
+accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/scripts/trainer_script.py --acco
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+VOCAB, SEQ = 64, 16
+
+
+def make_dataset(n: int, seed: int) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    ids[:, 1::2] = (ids[:, 0::2] * 3 + 1) % VOCAB  # a learnable pattern
+    labels = ids.clone()
+    prompt = torch.randint(1, SEQ // 2, (n,), generator=g)
+    for i in range(n):
+        labels[i, : prompt[i]] = -100  # masked prompts: uneven token counts per micro-batch
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--acco", action="store_true", help="ACCOTrainer + ACCOConfig instead of Trainer")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--max_steps", type=int, default=12)
+    parser.add_argument("--eval_steps", type=int, default=0)
+    parser.add_argument("--save_steps", type=int, default=0)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--extra", default="{}", help="more training arguments, as JSON")
+    cli = parser.parse_args(argv)
+    if cli.acco:
+        from hf_acco import ACCOConfig as TrainingArguments  # noqa: F811
+        from hf_acco import ACCOTrainer as Trainer  # noqa: F811
+    else:
+        from transformers import Trainer, TrainingArguments  # noqa: F811
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
+    )  # fmt: skip
+    args = TrainingArguments(
+        output_dir=cli.output_dir,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=4,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        warmup_steps=3,
+        lr_scheduler_type="cosine",
+        max_grad_norm=0.5,
+        max_steps=cli.max_steps,
+        logging_steps=1,
+        eval_strategy="steps" if cli.eval_steps else "no",
+        eval_steps=cli.eval_steps or None,
+        save_strategy="steps" if cli.save_steps else "no",
+        save_steps=cli.save_steps or 500,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        **json.loads(cli.extra),
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=make_dataset(256, 1), eval_dataset=make_dataset(32, 2))
+    trainer.train(resume_from_checkpoint=cli.resume)
+    trainer.save_model(os.path.join(cli.output_dir, "final"))
+    result = {
+        "log_history": trainer.state.log_history,
+        "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "world_size": trainer.accelerator.num_processes,
+    }
+    if trainer.is_world_process_zero():
+        with open(os.path.join(cli.output_dir, "log_history.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
+    return result
+
+
+if __name__ == "__main__":
+    main()
