@@ -1,6 +1,7 @@
 """hf_acco: ACCO (Accumulate While You Communicate) for the Hugging Face training stack."""
 
 from .comm import Communicator, check_world_size
+from .config import ACCOConfig  # noqa: E402  (the Hugging Face glue; the modules above need only torch)
 from .core import (
     ACCOOptimizer,
     Accumulation,
@@ -10,7 +11,6 @@ from .core import (
     consolidate_state_dicts,
 )
 from .sharding import FlatLayout
-from .config import ACCOConfig  # noqa: E402  (the Hugging Face glue; the modules above need only torch)
 from .trainer import ACCOTrainer  # noqa: E402
 
 __version__ = "0.1.0"

@@ -13,6 +13,8 @@ import torch
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+from hf_acco import ACCOConfig, ACCOTrainer
+
 VOCAB, SEQ = 64, 16
 
 
@@ -37,18 +39,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--extra", default="{}", help="more training arguments, as JSON")
     cli = parser.parse_args(argv)
-    if cli.acco:
-        from hf_acco import ACCOConfig as TrainingArguments  # noqa: F811
-        from hf_acco import ACCOTrainer as Trainer  # noqa: F811
-    else:
-        from transformers import Trainer, TrainingArguments  # noqa: F811
+    # The only difference between the two runs: the two class names.
+    trainer_cls, args_cls = (ACCOTrainer, ACCOConfig) if cli.acco else (Trainer, TrainingArguments)
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(
         LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
     )  # fmt: skip
-    args = TrainingArguments(
+    args = args_cls(
         output_dir=cli.output_dir,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=4,
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         disable_tqdm=True,
         **json.loads(cli.extra),
     )
-    trainer = Trainer(model=model, args=args, train_dataset=make_dataset(256, 1), eval_dataset=make_dataset(32, 2))
+    trainer = trainer_cls(model=model, args=args, train_dataset=make_dataset(256, 1), eval_dataset=make_dataset(32, 2))
     trainer.train(resume_from_checkpoint=cli.resume)
     trainer.save_model(os.path.join(cli.output_dir, "final"))
     result = {
