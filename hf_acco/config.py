@@ -75,11 +75,11 @@ class ACCOConfig(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
         super().__post_init__()
         validate_settings(
             self.acco_schedule, self.acco_accumulation, self.gradient_accumulation_steps, self.acco_min_micro_batches
         )
-        check_supported(self)
         if self.acco_warmup_steps < 0:
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:
