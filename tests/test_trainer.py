@@ -24,7 +24,7 @@ def train(out: Path, acco: bool, world_size: int = 2, **options) -> list[dict]:
     extra = options.pop("extra", {})
     argv = ["--output_dir", str(out), "--extra", json.dumps(extra)] + (["--acco"] if acco else [])
     for key, value in options.items():
-        argv += [f"--{key}", str(value)]
+        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     return run_ranks(_script, world_size=world_size, backend=None, argv=argv)
 
 
@@ -59,7 +59,7 @@ def test_sync_schedule_matches_trainer_ddp(tmp_path: Path, ddp_run: list[dict]) 
 def test_acco_loss_curve_stays_close_to_ddp(tmp_path: Path, ddp_run: list[dict]) -> None:
     ours = train(tmp_path, acco=True)
     gaps = [abs(a - b) / b for a, b in zip(losses(ours[0]), losses(ddp_run[0]))]
-    assert len(gaps) == 12 and max(gaps) < 0.01, gaps  # measured: max 0.4 % over 12 steps
+    assert len(gaps) == 12 and max(gaps) < 0.01, gaps  # measured: max 0.06 % over 12 steps (dpu: 1.3 %)
     assert losses(ours[0])[-1] < losses(ours[0])[0]
     assert torch.equal(flat(ours[0]["params"]), flat(ours[1]["params"]))
 
@@ -98,6 +98,46 @@ def test_checkpoint_from_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     # it continues from the 2-rank state (not from scratch): the first loss is where the 2-rank run was
     assert after[0] == pytest.approx(losses(two[0])[6], rel=0.03)
     assert after[0] < losses(two[0])[0] - 0.05
+
+
+def test_lora_trains_and_checkpoints_only_the_adapters(tmp_path: Path) -> None:
+    result = train(tmp_path, acco=True, lora=True, save_steps=6)
+    params = result[0]["params"]
+    adapters = {n: p for n, p in params.items() if "lora_" in n}
+    assert adapters and len(adapters) < len(params)
+    shard = torch.load(tmp_path / "checkpoint-6" / "acco_optimizer_rank0_of_2.pt", weights_only=True)
+    assert shard["layout"]["numel"] == sum(p.numel() for p in adapters.values())  # only adapters in the optimizer
+    assert all("lora_" in n for n in shard["layout"]["names"])
+    assert (tmp_path / "checkpoint-6" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "checkpoint-6" / "model.safetensors").exists()
+    lora_b = [p for n, p in adapters.items() if "lora_B" in n]
+    assert all(p.abs().sum() > 0 for p in lora_b)  # LoRA B starts at zero: it trained
+    assert losses(result[0])[-1] < losses(result[0])[0]
+
+
+def test_bf16_autocast_and_gradient_checkpointing(tmp_path: Path) -> None:
+    result = train(tmp_path, acco=True, extra={"bf16": True, "gradient_checkpointing": True})
+    got = losses(result[0])
+    assert all(torch.isfinite(torch.tensor(got))) and got[-1] < got[0]
+    assert all(p.dtype == torch.float32 for p in result[0]["params"].values())
+    assert torch.equal(flat(result[0]["params"]), flat(result[1]["params"]))
+
+
+def test_load_best_model_at_end_loads_a_committed_checkpoint(tmp_path: Path) -> None:
+    extra = {"load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "save_total_limit": 2}
+    result = train(tmp_path, acco=True, eval_steps=4, save_steps=4, extra=extra)
+    best = [h for h in result[0]["log_history"] if "eval_loss" in h]
+    best_step = min(best, key=lambda h: h["eval_loss"])["step"]
+    saved = load_file(tmp_path / f"checkpoint-{best_step}" / "model.safetensors")
+    assert all(torch.equal(saved[n], p) for n, p in result[0]["params"].items() if n in saved)
+
+
+def test_callback_stopping_in_the_middle_of_a_step(tmp_path: Path) -> None:
+    """Stopped after 2 micro-batches of step 4 (ACCO's half boundary): the unfinished step is dropped."""
+    result = train(tmp_path, acco=True, stop_at_micro_batch=3 * 3 + 2)  # on_substep_end: 3 per step of 4
+    full = train(tmp_path / "three", acco=True, max_steps=3)
+    assert [h["step"] for h in result[0]["log_history"] if "loss" in h] == [1, 2, 3]
+    assert torch.equal(flat(result[0]["params"]), flat(full[0]["params"]))  # committed θ_3 in the model
 
 
 @pytest.mark.parametrize(

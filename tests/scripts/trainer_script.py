@@ -11,7 +11,7 @@ import os
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_acco import ACCOConfig, ACCOTrainer
 
@@ -29,6 +29,18 @@ def make_dataset(n: int, seed: int) -> Dataset:
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
 
 
+class StopAt(TrainerCallback):
+    """Stops training after a given micro-batch, in the middle of an optimizer step."""
+
+    def __init__(self, micro_batch: int) -> None:
+        self.micro_batch, self.seen = micro_batch, 0
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.seen += 1
+        if self.seen == self.micro_batch:
+            control.should_training_stop = True
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--acco", action="store_true", help="ACCOTrainer + ACCOConfig instead of Trainer")
@@ -38,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--extra", default="{}", help="more training arguments, as JSON")
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the model")
+    parser.add_argument("--stop_at_micro_batch", type=int, default=0, help="a callback stops training there")
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
     trainer_cls, args_cls = (ACCOTrainer, ACCOConfig) if cli.acco else (Trainer, TrainingArguments)
@@ -47,6 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
         LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
     )  # fmt: skip
+    if cli.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     args = args_cls(
         output_dir=cli.output_dir,
         per_device_train_batch_size=2,
@@ -69,7 +87,14 @@ def main(argv: list[str] | None = None) -> dict:
         disable_tqdm=True,
         **json.loads(cli.extra),
     )
-    trainer = trainer_cls(model=model, args=args, train_dataset=make_dataset(256, 1), eval_dataset=make_dataset(32, 2))
+    callbacks = [StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else None
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=make_dataset(256, 1),
+        eval_dataset=make_dataset(32, 2),
+        callbacks=callbacks,
+    )
     trainer.train(resume_from_checkpoint=cli.resume)
     trainer.save_model(os.path.join(cli.output_dir, "final"))
     result = {
