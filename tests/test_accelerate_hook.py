@@ -1,0 +1,69 @@
+"""A hand-written Accelerate loop: prepare_acco changes a few lines; save_state/load_state resume exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from hf_acco.accelerate_hook import prepare_acco
+from hf_acco.multiprocess import run_ranks
+
+from .models import batch, tiny_llama
+
+ACCUM, STEPS = 4, 6
+
+
+def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: int = 0, save: str | None = None,
+         load: str | None = None, stop: int = STEPS, weight_decay: float = 0.1) -> list[torch.Tensor]:  # fmt: skip
+    set_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    model = tiny_llama()
+    if acco:  # the changed lines
+        model, optimizer = prepare_acco(
+            accelerator, model, lr=1e-2, weight_decay=weight_decay, schedule=schedule, max_grad_norm=1.0
+        )
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s)))
+    if load is not None:
+        accelerator.load_state(load)
+    for t in range(start, stop):
+        for i in range(ACCUM):
+            with accelerator.accumulate(model):
+                loss = model(**batch(accelerator.process_index, t * ACCUM + i)).loss
+                accelerator.backward(loss)
+                if not acco and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        if save is not None and t + 1 == STEPS // 2:
+            accelerator.save_state(save)
+    if acco:
+        optimizer.optimizer.finalize()  # committed parameters in the model
+    return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+
+
+def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    fa, fb = torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b])
+    return float((fa - fb).norm() / fb.norm())
+
+
+def test_sync_schedule_in_an_accelerate_loop_matches_ddp() -> None:
+    ddp = run_ranks(loop, backend=None, acco=False, weight_decay=0.0)
+    ours = run_ranks(loop, backend=None, acco=True, schedule="sync", weight_decay=0.0)
+    assert _rel(ours[0], ddp[0]) < 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], ours[1]))
+    assert _rel(ours[0], [p.detach() for p in tiny_llama().parameters()]) > 1e-2
+
+
+def test_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:
+    straight = run_ranks(loop, backend=None, acco=True, save=str(tmp_path))
+    assert any(p.name.startswith("acco_optimizer_rank1_of_2") for p in tmp_path.iterdir())
+    resumed = run_ranks(loop, backend=None, acco=True, start=STEPS // 2, load=str(tmp_path))
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(resumed[r], straight[r]))
