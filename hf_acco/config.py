@@ -80,6 +80,10 @@ class ACCOConfig(TrainingArguments):
         validate_settings(
             self.acco_schedule, self.acco_accumulation, self.gradient_accumulation_steps, self.acco_min_micro_batches
         )
+        if self.acco_accumulation == "dynamic" and self.average_tokens_across_devices:
+            # Trainer would all-gather token counts every step, holding fast ranks back to the slowest; ACCOTrainer
+            # undoes the per-rank normalisation exactly instead (see ACCOTrainer._micro_batch_weight).
+            self.average_tokens_across_devices = False
         if self.acco_warmup_steps < 0:
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:

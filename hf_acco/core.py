@@ -75,6 +75,7 @@ class RoundResult:
     micro_batches: int  # global micro-batch count
     grad_norm: float  # global norm of the averaged gradient, before clipping
     seconds: float  # wall time of the round in the background thread
+    joined: int = 0  # ranks that were in a rendezvous when they launched this round
 
 
 def _enum(cls: type[Enum], value: Any, what: str) -> Any:
@@ -107,6 +108,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         bucket_numel (`int`): elements per communication bucket.
         allow_custom_optimizer (`bool`): accept an ``optimizer_cls`` not known to be element-wise.
         broadcast_parameters (`bool`, defaults to `True`): copy rank 0's parameters to every rank.
+        auto_step (`bool`, defaults to `False`): ``after_backward`` ends the optimizer step itself when it is
+            ready, and ``step()`` only marks the caller's window (for dynamic accumulation inside a loop whose
+            windows are a fixed number of micro-batches, such as Trainer's).
         **defaults: hyper-parameters of the inner optimizer (``lr``, ``weight_decay``, ``betas``, ...).
     """
 
@@ -127,6 +131,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         allow_custom_optimizer: bool = False,
         broadcast_parameters: bool = True,
+        auto_step: bool = False,
         **defaults: Any,
     ) -> None:
         check_elementwise(optimizer_cls, allow_custom_optimizer)
@@ -138,6 +143,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self.max_micro_batches = max_micro_batches
         self.max_grad_norm = max_grad_norm
         self.warmup_steps = warmup_steps
+        self.auto_step = auto_step
+        self.grad_scale = 1.0  # multiplies the gradients of the next backward passes as they are accumulated
         super().__init__(params, defaults)
         named = _trainable(self.param_groups)
         self._params = [p for _, p, _ in named]
@@ -187,6 +194,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self.totals = dict.fromkeys(("steps", "micro_batches", "weight", "wait_s", "round_s"), 0.0)  # since start
         self._in_eval = False
         self._eval_backup: torch.Tensor | None = None
+        self._joined = False  # in a rendezvous: this rank computes nothing until every rank has joined
 
     # ---- the user's loop ----------------------------------------------------------------------------------
 
@@ -204,22 +212,31 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._half_weight += float(weight)
         if self.phase is Phase.ESTIMATE and self._half_done():
             self._boundary_estimate_to_correction()
+        if self.auto_step and self.ready_to_step():
+            self._end_step()
 
     def ready_to_step(self) -> bool:
         """Whether the current optimizer step has all its micro-batches (fixed) or its round finished (dynamic)."""
         return self.phase is Phase.CORRECTION and self._half_done()
 
-    @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        """End the optimizer step: the B→A boundary. May be called early (the short last window of an epoch)."""
+        """End the optimizer step: the B→A boundary. May be called early (the short last window of an epoch).
+
+        With ``auto_step`` the engine ends its steps itself and this does nothing.
+        """
         if closure is not None:
             raise ValueError("ACCOOptimizer.step does not take a closure.")
+        if not self.auto_step:
+            self._end_step()
+
+    @torch.no_grad()
+    def _end_step(self) -> None:
         if self.phase is Phase.ESTIMATE:  # short window: half A was all there was, half B is empty
-            if self._half_count == 0:
+            if self._half_count == 0 and not self._joined:
                 raise RuntimeError("ACCOOptimizer.step() was called before any micro-batch was accumulated.")
             self._boundary_estimate_to_correction()
         self._finish_half()
-        if self._hook_calls == 0:
+        if self._hook_calls == 0 and not self._joined:
             raise RuntimeError(
                 "No gradient reached the ACCO optimizer during this step: were the model's parameters replaced "
                 "after it was built, or was backward() never called?"
@@ -286,6 +303,32 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._in_eval = False
 
     @torch.no_grad()
+    def rendezvous(self) -> None:
+        """Bring every rank to one common optimizer-step boundary. Collective; ranks may arrive at any time.
+
+        In dynamic mode ranks run independently between rounds, so at a given point of the caller's loop they
+        can be a round apart (and, at the end of their data, have different amounts left). This rank ends its
+        current step with what it has, then takes part in rounds with no micro-batch (they average only the
+        others' gradients) until a commit round shows that every rank had joined. Fixed mode keeps ranks in
+        step already: there it only checks that the caller is at a step boundary.
+        """
+        self.train()
+        if self.accumulation is Accumulation.FIXED:
+            self._check_step_boundary("rendezvous")
+            return
+        self._joined = True
+        try:
+            while True:
+                if self.phase is Phase.ESTIMATE and self._schedule_now() is Schedule.ACCO:
+                    self._boundary_estimate_to_correction()
+                self._end_step()
+                self.synchronize()
+                if self.last_commit is not None and self.last_commit.joined == self.comm.world_size:
+                    break
+        finally:
+            self._joined = False
+
+    @torch.no_grad()
     def finalize(self) -> None:
         """End of training: drain the round in flight and leave the committed parameters in the model.
 
@@ -293,6 +336,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         happened. Training may continue afterwards: it restarts from θ as at the start (θ̃ = θ).
         """
         self.train()
+        if self.accumulation is Accumulation.DYNAMIC:
+            self.rendezvous()  # ranks may be a round apart: finish together (collective)
         self.synchronize()
         if self._inflight_kind is RoundKind.COMMIT:
             self._load_into_model(self._comm)
@@ -428,7 +473,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
                 self._grad_views = {id(p): v for p, v in zip(self._params, self.layout.views(self._accum))}
             else:
                 self._comm.copy_(self._accum)
-        counts = torch.tensor([weight, float(micro_batches)], dtype=torch.float64, device=self.device)
+        joined = 1.0 if self._joined else 0.0
+        counts = torch.tensor([weight, float(micro_batches), joined], dtype=torch.float64, device=self.device)
         buf, hparams = self._comm, self._hparams()  # hyper-parameters as of launch: schedulers mutate them
         self._inflight = self._runner.launch(lambda: self._round(kind, buf, counts, hparams))
         self._inflight_kind = kind
@@ -465,28 +511,34 @@ class ACCOOptimizer(torch.optim.Optimizer):
         # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums
         comm.reduce_scatter(layout, buf, shard.grad)
         count_work.wait()
-        total_weight, total_micro_batches = counts.tolist()
-        if total_weight <= 0:
+        total_weight, total_micro_batches, joined = counts.tolist()
+        if total_weight <= 0 and joined == 0:
             raise RuntimeError(
                 "The global weight of an ACCO round is 0 (no micro-batch or no tokens on any rank): check that "
                 "the dataset is not empty and that labels are not all masked."
             )
-        # 3. average
-        shard.grad.div_(total_weight)
-        # 4. global gradient norm (padding is zero), and clipping as torch.nn.utils.clip_grad_norm_ does
-        sq = torch.linalg.vector_norm(shard.grad).square().reshape(1)
-        comm.all_reduce(sq)
-        norm = sq.sqrt()
-        if self.max_grad_norm is not None:
-            shard.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
-        # 5. optimizer update, 6. written into this rank's pieces of ``buf``, 7. all-gather
-        if kind is RoundKind.COMMIT:
-            shard.commit(hparams)
+        if total_weight <= 0:  # a rendezvous round in which no rank had a micro-batch: no update (same everywhere)
+            norm = torch.zeros(1, device=buf.device)
             self._put_own_pieces(buf, shard.master)
-        else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
-            shard.estimate(hparams, self._own_pieces(buf))
+        else:
+            # 3. average
+            shard.grad.div_(total_weight)
+            # 4. global gradient norm (padding is zero), and clipping as torch.nn.utils.clip_grad_norm_ does
+            sq = torch.linalg.vector_norm(shard.grad).square().reshape(1)
+            comm.all_reduce(sq)
+            norm = sq.sqrt()
+            if self.max_grad_norm is not None:
+                shard.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
+            # 5. optimizer update, 6. written into this rank's pieces of ``buf``
+            if kind is RoundKind.COMMIT:
+                shard.commit(hparams)
+                self._put_own_pieces(buf, shard.master)
+            else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
+                shard.estimate(hparams, self._own_pieces(buf))
+        # 7. all-gather
         comm.all_gather(layout, None, buf)
-        return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined))
 
     def _own_pieces(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's pieces of a flat buffer, as a (num_buckets, chunk) view."""
@@ -500,7 +552,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         # Runs when autograd has finished p's gradient for this backward: accumulate it in fp32, free it.
-        self._grad_views[id(p)].add_(p.grad)
+        if self.grad_scale == 1.0:
+            self._grad_views[id(p)].add_(p.grad)
+        else:
+            self._grad_views[id(p)].add_(p.grad, alpha=self.grad_scale)
         p.grad = None
         self._hook_calls += 1
 

@@ -37,11 +37,17 @@ def _entry(
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-        torch.save({"ok": True, "result": result}, out_path)
+        _write(out_path, {"ok": True, "result": result})
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, out_path)
+        _write(out_path, {"ok": False, "error": traceback.format_exc()})
         os._exit(1)
     os._exit(0)
+
+
+def _write(path: str, obj: dict) -> None:
+    """Write then rename: the parent may kill this process at any moment, and must never read half a file."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def _free_port() -> int:

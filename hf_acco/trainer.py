@@ -10,6 +10,16 @@ What it intercepts, and why (Trainer's loop itself is not copied or overridden):
 * ``save_model``, ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``: committed parameters
   in the model files; one optimizer shard file per rank; re-sharding on load.
 * ``_finalize_training``: drain the round in flight and leave the committed parameters in the model.
+* ``evaluate`` / ``_save_checkpoint`` in dynamic mode: ranks first meet at one optimizer-step boundary.
+
+Dynamic accumulation under Trainer. Trainer's step stays what it is: ``gradient_accumulation_steps``
+micro-batches per rank, so the data order, epochs, ``max_steps``, the LR schedule (one scheduler step per
+Trainer step: the learning rate follows the data consumed), logging, evaluation and checkpoint cadence are
+Trainer's, and no micro-batch is dropped or repeated. ACCO's optimizer steps are decoupled from it: a rank
+ends an ACCO half (and step) whenever the round in flight has finished, so a faster rank contributes more
+micro-batches to each round and runs ahead in Trainer steps, until the next point where Trainer's ranks meet
+(logging gathers the loss; evaluation, checkpoints and the end of training meet through ``rendezvous``).
+``global_step`` counts Trainer steps; ``acco_optimizer_steps`` and the per-rank micro-batch counts are logged.
 * ``log``: ACCO's figures (exposed communication, round time, micro-batches, tokens) next to the loss.
 
 Evaluation sees the committed parameters through the optimizer's ``eval()``/``train()``, which Trainer calls
@@ -29,7 +39,7 @@ from transformers import Trainer, TrainingArguments
 from .checkpoint import atomic_save, load_optimizer_state, save_optimizer_state
 from .comm import Communicator, check_world_size
 from .config import check_supported
-from .core import ACCOOptimizer, validate_settings
+from .core import ACCOOptimizer, Accumulation, validate_settings
 from .optim import check_elementwise
 
 SCHEDULER_NAME = "scheduler.pt"
@@ -113,6 +123,7 @@ class ACCOTrainer(Trainer):
                 timeout=datetime.timedelta(seconds=_setting(args, "acco_comm_timeout_s", 1800.0)),
             ),
             bucket_numel=_setting(args, "acco_bucket_numel", 1 << 20),
+            auto_step=_setting(args, "acco_accumulation", "fixed") == "dynamic",  # steps decoupled from Trainer's
             **optimizer_kwargs,
         )
         # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)
@@ -124,18 +135,28 @@ class ACCOTrainer(Trainer):
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        weight = self._micro_batch_weight(inputs, num_items_in_batch)  # before compute_loss pops the labels
+        weight, scale = self._micro_batch_weight(inputs, num_items_in_batch)  # before compute_loss pops labels
+        self.acco.grad_scale = scale
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self.acco.grad_scale = 1.0
         self.acco.after_backward(weight)
         return loss
 
-    def _micro_batch_weight(self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None) -> float:
-        """The weight that undoes Trainer's normalisation of this micro-batch's loss.
+    @property
+    def _dynamic(self) -> bool:
+        return self.acco is not None and self.acco.accumulation is Accumulation.DYNAMIC
+
+    def _micro_batch_weight(
+        self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None
+    ) -> tuple[float, float]:
+        """(weight, gradient scale) that undo Trainer's normalisation of this micro-batch's loss.
 
         Trainer divides a token-summed loss by the window's token count ``num_items_in_batch`` (times the number
         of processes, which DDP divides out again), or a mean loss by the number of micro-batches in the window.
-        Giving each micro-batch the same factor times its share makes the engine's sum / weight the exact
-        token-weighted (or micro-batch) average, for each half of an ACCO step as for the whole step.
+        Fixed mode: the same factor for every micro-batch of a step on every rank, so weight = factor x tokens
+        makes the engine's sum / weight the exact token-weighted average, for each half as for the whole step.
+        Dynamic mode: a step spans several of Trainer's windows, whose factors differ, so the gradient is scaled
+        back to a plain token sum and the weight is the token count.
         """
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
@@ -143,9 +164,9 @@ class ACCOTrainer(Trainer):
                 self.compute_loss_func is not None
             )
         if not scaled:
-            return 1.0 / self.current_gradient_accumulation_steps
+            return 1.0 / self.current_gradient_accumulation_steps, 1.0
         if num_items_in_batch is None:
-            return 1.0
+            return 1.0, 1.0
         if "shift_labels" in inputs:
             labels = inputs["shift_labels"]
         else:
@@ -154,7 +175,10 @@ class ACCOTrainer(Trainer):
         factor = 1.0
         if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
             factor = float(self.accelerator.num_processes // self.get_tp_size())
-        return tokens * factor / float(num_items_in_batch)
+        factor /= float(num_items_in_batch)
+        if self._dynamic:
+            return tokens, 1.0 / factor
+        return tokens * factor, 1.0
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> None:
         return None  # clipped inside the round, by the norm of the globally averaged gradient
@@ -174,7 +198,17 @@ class ACCOTrainer(Trainer):
             self.acco.finalize()
         return super()._finalize_training(*args, **kwargs)
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        if self._dynamic and self.is_in_train:
+            self.acco.rendezvous()  # every rank evaluates the same committed parameters
+        return super().evaluate(*args, **kwargs)
+
     # ---- checkpoints --------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        if self._dynamic:
+            self.acco.rendezvous()  # shards of every rank from the same commit round
+        super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self.acco is None:
@@ -215,6 +249,11 @@ class ACCOTrainer(Trainer):
         }
         if self.acco.last_commit is not None:
             out["acco_global_micro_batches"] = float(self.acco.last_commit.micro_batches)
+        out["acco_optimizer_steps"] = totals["steps"]
+        if self._dynamic:  # micro-batches differ per rank: log each (all ranks log at the same Trainer steps)
+            mine = torch.tensor([delta["micro_batches"]], dtype=torch.float64, device=self.args.device)
+            for rank, value in enumerate(self.accelerator.gather(mine).tolist()):
+                out[f"acco_micro_batches_rank{rank}"] = value
         return out
 
 

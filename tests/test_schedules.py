@@ -232,3 +232,35 @@ def train_lr_zero(rank: int, world_size: int) -> bool:
 
 def test_lr_zero_moves_nothing() -> None:
     assert run_ranks(train_lr_zero) == [True, True]
+
+
+def train_unequal_data(rank: int, world_size: int, schedule: str, micro_batches: list[int], delay: float) -> dict:
+    """Dynamic mode where ranks have different amounts of data: the one that runs out waits in finalize()."""
+    model = tiny_llama()
+    opt = ACCOOptimizer(
+        decay_groups(model, WD),
+        schedule=schedule,
+        accumulation="dynamic",
+        communicator=DelayedCommunicator(0.05),
+        **HP,
+    )
+    for index in range(micro_batches[rank]):
+        if rank == 1:
+            time.sleep(delay)
+        mean_loss(model, batch(rank, index))[0].backward()
+        opt.after_backward()
+        if opt.ready_to_step():
+            opt.step()
+    opt.finalize()  # rank 0 gets here first and takes part in empty rounds until rank 1 is done
+    total = opt.totals["micro_batches"]
+    params = _params(model)
+    opt.close()
+    return {"params": params, "local_total": total, "steps": opt.step_count}
+
+
+@pytest.mark.parametrize("schedule", ["acco", "dpu"])
+def test_dynamic_ranks_with_unequal_data_finish_together(schedule: str) -> None:
+    results = run_ranks(train_unequal_data, schedule=schedule, micro_batches=[20, 8], delay=0.03, timeout=120)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    assert results[0]["steps"] == results[1]["steps"]  # the same rounds on both ranks
+    assert [r["local_total"] for r in results] == [20, 8]  # every micro-batch used once, none repeated

@@ -140,6 +140,30 @@ def test_callback_stopping_in_the_middle_of_a_step(tmp_path: Path) -> None:
     assert torch.equal(flat(result[0]["params"]), flat(full[0]["params"]))  # committed θ_3 in the model
 
 
+def test_dynamic_accumulation_with_a_slow_rank(tmp_path: Path) -> None:
+    extra = {"acco_accumulation": "dynamic", "logging_steps": 4}
+    result = train(tmp_path, acco=True, slow_rank_delay=0.03, eval_steps=4, save_steps=4, extra=extra)
+    fast, slow = result
+    assert torch.equal(flat(fast["params"]), flat(slow["params"]))
+    # Trainer's steps are data: every rank used exactly max_steps x gradient_accumulation_steps micro-batches
+    assert fast["acco_totals"]["micro_batches"] == slow["acco_totals"]["micro_batches"] == 12 * 4
+    logs = [h for h in fast["log_history"] if "acco_micro_batches_rank0" in h]
+    # per-rank counts are logged (they cover ACCO steps finished by the log; the rest end in finalize)
+    assert 0 < sum(h["acco_micro_batches_rank1"] for h in logs) <= 48
+    # ACCO's optimizer steps are decoupled from Trainer's 12 steps, with varying micro-batches per step
+    assert logs[-1]["acco_optimizer_steps"] != 12
+    assert len({h["acco_global_micro_batches"] for h in logs}) > 1
+    assert [h["step"] for h in fast["log_history"] if "eval_loss" in h] == [4, 8, 12]
+    # checkpoints: every rank's shard from the same commit round, and the model files hold that θ
+    checkpoint = tmp_path / "checkpoint-8"
+    shards = [torch.load(checkpoint / f"acco_optimizer_rank{r}_of_2.pt", weights_only=True) for r in range(2)]
+    assert shards[0]["step_count"] == shards[1]["step_count"]
+    state = consolidate_state_dicts(shards)
+    saved = load_file(checkpoint / "model.safetensors")
+    assert torch.equal(torch.cat([saved[n].flatten() for n in state["layout"]["names"]]), state["master"])
+    assert losses(fast)[-1] < losses(fast)[0]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

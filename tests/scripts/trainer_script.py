@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 from datasets import Dataset
@@ -41,6 +42,20 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+class SlowRank(TrainerCallback):
+    """Rank 1 plays a slower GPU: it sleeps after every micro-batch."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if args.process_index == 1:
+            time.sleep(self.delay)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.on_substep_end(args, state, control)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--acco", action="store_true", help="ACCOTrainer + ACCOConfig instead of Trainer")
@@ -52,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--extra", default="{}", help="more training arguments, as JSON")
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the model")
     parser.add_argument("--stop_at_micro_batch", type=int, default=0, help="a callback stops training there")
+    parser.add_argument("--slow_rank_delay", type=float, default=0.0, help="rank 1 sleeps this long per micro-batch")
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
     trainer_cls, args_cls = (ACCOTrainer, ACCOConfig) if cli.acco else (Trainer, TrainingArguments)
@@ -65,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    args = args_cls(
+    settings = dict(
         output_dir=cli.output_dir,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=4,
@@ -85,9 +101,11 @@ def main(argv: list[str] | None = None) -> dict:
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
-        **json.loads(cli.extra),
     )
-    callbacks = [StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else None
+    args = args_cls(**{**settings, **json.loads(cli.extra)})
+    callbacks = [StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else []
+    if cli.slow_rank_delay:
+        callbacks.append(SlowRank(cli.slow_rank_delay))
     trainer = trainer_cls(
         model=model,
         args=args,
@@ -101,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         "log_history": trainer.state.log_history,
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "world_size": trainer.accelerator.num_processes,
+        "acco_totals": dict(trainer.acco.totals) if getattr(trainer, "acco", None) else None,
     }
     if trainer.is_world_process_zero():
         with open(os.path.join(cli.output_dir, "log_history.json"), "w") as f:
