@@ -174,6 +174,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
             piece_numel=self.layout.chunk,
         )
         self._accum.zero_()
+        self._param_pieces = self.layout.shard_param_pieces(self.comm.rank)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
         self._grad_views = {id(p): v for p, v in zip(self._params, self.layout.views(self._accum))}
         self._runner = RoundRunner(self.device)
@@ -523,10 +524,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         else:
             # 3. average
             shard.grad.div_(total_weight)
-            # 4. global gradient norm (padding is zero), and clipping as torch.nn.utils.clip_grad_norm_ does
-            sq = torch.linalg.vector_norm(shard.grad).square().reshape(1)
-            comm.all_reduce(sq)
-            norm = sq.sqrt()
+            # 4. global gradient norm and clipping, as torch.nn.utils.clip_grad_norm_ computes them
+            norm = self._global_grad_norm()
             if self.max_grad_norm is not None:
                 shard.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
             # 5. optimizer update, 6. written into this rank's pieces of ``buf``
@@ -539,6 +538,16 @@ class ACCOOptimizer(torch.optim.Optimizer):
         comm.all_gather(layout, None, buf)
         seconds = time.perf_counter() - t0
         return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined))
+
+    def _global_grad_norm(self) -> torch.Tensor:
+        """Norm of the per-parameter norms (clip_grad_norm_'s formula, so that clipping matches it to the bit
+        for parameters held by one rank): each rank adds its part of each parameter's squared norm."""
+        grad = self.shard.grad
+        partial = torch.zeros(len(self.layout.params), dtype=grad.dtype, device=grad.device)
+        for i, a, b in self._param_pieces:
+            partial[i] += torch.linalg.vector_norm(grad[a:b]).square()
+        self.comm.all_reduce(partial)
+        return torch.linalg.vector_norm(partial.sqrt()).reshape(1)
 
     def _own_pieces(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's pieces of a flat buffer, as a (num_buckets, chunk) view."""

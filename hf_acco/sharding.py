@@ -120,6 +120,18 @@ class FlatLayout:
         out[: full.numel()] = full
         return out
 
+    def shard_param_pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """(parameter index, start, end) of each run of this rank's shard that holds one parameter's elements."""
+        pieces = []
+        for b in range(self.num_buckets):
+            lo = b * self.bucket_size + rank * self.chunk
+            hi = lo + self.chunk
+            for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+                start, end = max(lo, off), min(hi, off + n)
+                if start < end:
+                    pieces.append((i, b * self.chunk + (start - lo), b * self.chunk + (end - lo)))
+        return pieces
+
     def shard_segments(self, rank: int) -> list[Segment]:
         """Maximal runs of this rank's shard that hold real (non-padding) elements of one group."""
         segments: list[Segment] = []

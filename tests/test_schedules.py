@@ -18,7 +18,7 @@ STEPS = 20
 MICRO = 4  # micro-batches per optimizer step per rank
 HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 WD = 0.1
-CLIP = 0.5
+CLIP = 0.6  # clipping active in some steps and not in others (both paths)
 LOSSES = {"mean": mean_loss, "tokens": token_sum_loss}
 
 
@@ -84,7 +84,7 @@ def test_schedule_matches_reference(schedule: str) -> None:
     assert max(errors) <= 1e-6, f"{schedule}: relative error per step {errors}"
     # the parameters really moved, and clipping was active at least once
     assert relative_error(expected[0], expected[-1]) > 1e-2
-    assert max(norms) > CLIP
+    assert max(norms) > CLIP > min(norms)
     # the engine's global gradient norm (before clipping) is clip_grad_norm_'s on the full averaged gradient
     got_norms = results[0]["norms"]
     assert got_norms == pytest.approx(norms, rel=1e-5)

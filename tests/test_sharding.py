@@ -71,3 +71,16 @@ def test_layout_mismatch_is_explained() -> None:
     b = _layout([torch.randn(4, 5), torch.randn(4)])
     with pytest.raises(ValueError, match=r"parameter 0: checkpoint has p0 \[4, 5\], model has p0 \[4, 4\]"):
         a.check_matches(b.meta())
+
+
+@pytest.mark.parametrize(("world_size", "bucket_numel"), [(2, 1 << 20), (3, 7)])
+def test_param_pieces_cover_each_parameter_once(world_size: int, bucket_numel: int) -> None:
+    params = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2)]
+    layout = _layout(params, world_size, bucket_numel)
+    flat = layout.flatten(params, layout.new_flat("cpu"))
+    squares = torch.zeros(len(params))
+    for r in range(world_size):
+        shard = layout.shard_of(flat, r)
+        for i, a, b in layout.shard_param_pieces(r):
+            squares[i] += shard[a:b].square().sum()
+    assert torch.allclose(squares, torch.stack([p.square().sum() for p in params]))
