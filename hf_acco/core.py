@@ -174,6 +174,11 @@ class ACCOOptimizer(torch.optim.Optimizer):
             piece_numel=self.layout.chunk,
         )
         self._accum.zero_()
+        # The state at the last optimizer-step boundary that is not in the master shard: this rank's shard of the
+        # parameters the model computed with from there (ACCO's estimate, DPU's previous θ), and whether a commit
+        # round was pending. It lets state_dict() describe that boundary exactly even from the middle of a step.
+        self._boundary_model = self.shard.master.clone()
+        self._boundary_pending = False
         self._param_pieces = self.layout.shard_param_pieces(self.comm.rank)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
         self._grad_views = {id(p): v for p, v in zip(self._params, self.layout.views(self._accum))}
@@ -246,15 +251,17 @@ class ACCOOptimizer(torch.optim.Optimizer):
         micro_batches = sum(c for c, _ in self._step_counts)
         weight = sum(w for _, w in self._step_counts)
         if schedule is Schedule.ACCO:
-            self._wait_and_load()  # the estimate θ̃_{t+1}: next half A computes there
+            self._wait_and_load(at_boundary=True)  # the estimate θ̃_{t+1}: next half A computes there
             self._launch_with_accum(RoundKind.COMMIT, weight, micro_batches, swap=True)
             self.phase = Phase.ESTIMATE
         elif schedule is Schedule.DPU:
-            self._wait_and_load()  # θ_t from the previous step's round; the next gradients are computed there
+            self._wait_and_load(at_boundary=True)  # θ_t from the previous step's round: next gradients there
             self._launch_with_accum(RoundKind.COMMIT, weight, micro_batches, swap=True)
         else:
             self._launch_with_accum(RoundKind.COMMIT, weight, micro_batches, swap=True)
             self._wait_and_load()
+            self._boundary_model.copy_(self.shard.master)
+        self._boundary_pending = self._inflight_kind is RoundKind.COMMIT
         self.step_count += 1
         self._record_step(micro_batches, weight)
         if self._schedule_now() is Schedule.ACCO and schedule is not Schedule.ACCO:
@@ -343,6 +350,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         if self._inflight_kind is RoundKind.COMMIT:
             self._load_into_model(self._comm)
         self._inflight, self._inflight_kind = None, None
+        self._boundary_model.copy_(self.shard.master)  # the model now holds θ: a boundary with nothing pending
+        self._boundary_pending = False
         self._accum.zero_()
         self._half_count, self._half_weight, self._step_counts, self._hook_calls = 0, 0.0, [], 0
         self.phase = Phase.ESTIMATE if self._schedule_now() is Schedule.ACCO else Phase.CORRECTION
@@ -358,24 +367,23 @@ class ACCOOptimizer(torch.optim.Optimizer):
     # ---- state --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shard of everything an exact resume needs. Call at an optimizer-step boundary."""
-        self._check_step_boundary("state_dict")
-        self.synchronize()
+        """This rank's shard of everything an exact resume needs, as of the last optimizer-step boundary.
+
+        Called in the middle of a step (a pre-emption checkpoint), it still describes that boundary: the
+        micro-batches of the unfinished step are not in it, and a resumed run computes them again.
+        """
+        self.synchronize()  # the master shard is final once the commit round in flight has finished
         flat_state, scalars = self.shard.state_tensors()
-        if self._eval_backup is not None:  # in eval mode the model holds θ; training resumes from the backup
-            model_flat = self._eval_backup
-        else:
-            model_flat = self.layout.flatten(self._params, self.layout.new_flat(self.device))
         return {
             "format": STATE_FORMAT,
             "rank": self.comm.rank,
             "layout": self.layout.meta(),
             "schedule": self.schedule.value,
             "step_count": self.step_count,
-            "pending_commit": self._inflight_kind is RoundKind.COMMIT,
+            "pending_commit": self._boundary_pending,
             "hparams": self._hparams(),
             "master": self.shard.master.detach().cpu().clone(),
-            "model": self.layout.shard_of(model_flat, self.comm.rank).cpu(),
+            "model": self._boundary_model.detach().cpu().clone(),
             "optim_state": {k: v.detach().cpu().clone() for k, v in flat_state.items()},
             "optim_scalars": {k: v.detach().cpu().clone() for k, v in scalars.items()},
         }
@@ -390,7 +398,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         error = None
         try:
             self._validate_state(state_dict)
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             error = e
         self.raise_if_any_rank_failed(error)
         shard = self._shard_getter(state_dict)
@@ -409,6 +417,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self.comm.all_gather(self.layout, None, staging)
         self._load_into_model(staging)
         # A commit round that was pending at save time: its output is the all-gather of the master shards.
+        self._boundary_model.copy_(shard(state_dict["model"]))
+        self._boundary_pending = state_dict["pending_commit"]
         self._inflight, self._inflight_kind = None, None
         if state_dict["pending_commit"]:
             self._put_own_pieces(self._comm, self.shard.master)
@@ -482,12 +492,14 @@ class ACCOOptimizer(torch.optim.Optimizer):
         if swap and self._comm is not self._accum:
             self._accum.zero_()
 
-    def _wait_and_load(self) -> None:
+    def _wait_and_load(self, at_boundary: bool = False) -> None:
         """Wait for the round in flight and copy its all-gathered parameters into the model."""
         if self._inflight is None:
             return
         self._wait_s += self._wait(self._inflight)
         self._load_into_model(self._comm)
+        if at_boundary:
+            self._boundary_model.copy_(self._own_pieces(self._comm).reshape(-1))
         if self._comm is self._accum:  # sync: the buffer goes back to accumulating gradients
             self._accum.zero_()
         self._inflight, self._inflight_kind = None, None

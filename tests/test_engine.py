@@ -124,8 +124,9 @@ def _close_and_misuse(rank: int, world_size: int) -> list[str]:
         messages.append(str(e))
     mean_loss(model, batch(rank, 0))[0].backward()
     opt.after_backward()
+    state = opt.state_dict()  # mid-step: describes the last boundary
     try:
-        opt.state_dict()
+        opt.load_state_dict(state)
     except RuntimeError as e:
         messages.append(str(e))
     mean_loss(model, batch(rank, 1))[0].backward()

@@ -51,11 +51,24 @@ def snapshot(model, opt) -> dict:
     return {"held": held, "committed": committed}
 
 
-def train(rank: int, world_size: int, schedule: str, start: int, stop: int, load: str | None, save: str | None):
+def train(
+    rank: int,
+    world_size: int,
+    schedule: str,
+    start: int,
+    stop: int,
+    load: str | None,
+    save: str | None,
+    save_after_micro_batches: int = 0,
+):
     model, opt = build(world_size, schedule, seed=0 if load is None else 123)  # a resumed run starts elsewhere
     if load is not None:
         load_optimizer_state(opt, load)
     run_steps(model, opt, rank, world_size, start, stop)
+    if save is not None and save_after_micro_batches:  # a pre-emption checkpoint in the middle of step `stop`
+        for b in step_batches(rank, world_size, stop)[:save_after_micro_batches]:
+            mean_loss(model, b)[0].backward()
+            opt.after_backward()
     if save is not None:
         save_optimizer_state(opt, save)
     out = snapshot(model, opt)
@@ -76,6 +89,19 @@ def test_resume_is_bit_identical(tmp_path: Path, schedule: str) -> None:
         assert _equal(resumed[r]["committed"], straight[r]["committed"])
         assert _equal(resumed[r]["held"], straight[r]["held"])  # the in-flight estimate too
     assert not _equal(straight[0]["committed"], [p.detach() for p in tiny_llama().parameters()])
+
+
+@pytest.mark.parametrize("schedule", ["acco", "dpu"])
+@pytest.mark.parametrize("into_step", [1, 3])  # of 4 micro-batches per rank: in half A, in half B
+def test_checkpoint_from_the_middle_of_a_step_resumes_exactly(tmp_path: Path, schedule: str, into_step: int) -> None:
+    straight = run_ranks(train, schedule=schedule, start=0, stop=6, load=None, save=None)
+    run_ranks(
+        train, schedule=schedule, start=0, stop=3, load=None, save=str(tmp_path), save_after_micro_batches=into_step
+    )
+    resumed = run_ranks(train, schedule=schedule, start=3, stop=6, load=str(tmp_path), save=None)
+    for r in range(2):
+        assert _equal(resumed[r]["committed"], straight[r]["committed"])
+        assert _equal(resumed[r]["held"], straight[r]["held"])
 
 
 def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
