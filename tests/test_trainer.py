@@ -64,6 +64,21 @@ def test_acco_loss_curve_stays_close_to_ddp(tmp_path: Path, ddp_run: list[dict])
     assert torch.equal(flat(ours[0]["params"]), flat(ours[1]["params"]))
 
 
+def test_short_last_window_of_an_epoch(tmp_path: Path) -> None:
+    """One epoch of 236 examples: 59 micro-batches per rank, so the 15th step has 3 of 4 (odd, for acco)."""
+    options = {"train_size": 236, "max_steps": -1, "extra": {"num_train_epochs": 1}}
+    ddp = train(tmp_path / "ddp", acco=False, **options)
+    sync = train(
+        tmp_path / "sync", acco=True, **{**options, "extra": {"num_train_epochs": 1, "acco_schedule": "sync"}}
+    )
+    acco = train(tmp_path / "acco", acco=True, **options)
+    assert len(losses(ddp[0])) == len(losses(sync[0])) == len(losses(acco[0])) == 15
+    assert losses(sync[0]) == pytest.approx(losses(ddp[0]), rel=1e-5)
+    assert rel(flat(sync[0]["params"]), flat(ddp[0]["params"])) < 1e-6
+    assert max(abs(a - b) / b for a, b in zip(losses(acco[0]), losses(ddp[0]))) < 0.01
+    assert acco[0]["acco_totals"]["micro_batches"] == 59
+
+
 def test_evaluation_and_checkpoints_see_committed_parameters_and_change_nothing(tmp_path: Path) -> None:
     plain = train(tmp_path / "plain", acco=True)
     evaluated = train(tmp_path / "eval", acco=True, eval_steps=3, save_steps=4)

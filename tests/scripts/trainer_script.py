@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--extra", default="{}", help="more training arguments, as JSON")
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the model")
     parser.add_argument("--stop_at_micro_batch", type=int, default=0, help="a callback stops training there")
+    parser.add_argument("--train_size", type=int, default=256, help="training examples")
     parser.add_argument("--slow_rank_delay", type=float, default=0.0, help="rank 1 sleeps this long per micro-batch")
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = trainer_cls(
         model=model,
         args=args,
-        train_dataset=make_dataset(256, 1),
+        train_dataset=make_dataset(cli.train_size, 1),
         eval_dataset=make_dataset(32, 2),
         callbacks=callbacks,
     )
