@@ -64,13 +64,30 @@ def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike)
     optimizer.load_state_dict(states[0] if same_world else consolidate_state_dicts(states))
 
 
-def _read_shards(directory: Path, rank: int, world_size: int) -> list[dict[str, Any]]:
-    """This rank's shard (same world size) or every shard (re-sharding)."""
+def shard_files(directory: str | os.PathLike) -> dict[int, dict[int, Path]]:
+    """The optimizer shard files in ``directory``: {world size: {rank: path}}."""
+    directory = Path(directory)
     found: dict[int, dict[int, Path]] = {}
     for f in directory.glob("acco_optimizer_rank*_of_*.pt") if directory.is_dir() else []:
         m = _SHARD_RE.match(f.name)
         if m:
             found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
+    return found
+
+
+def missing_shards(directory: str | os.PathLike) -> str | None:
+    """Why the shard set in ``directory`` is incomplete, or None if one world size has all its ranks."""
+    found = shard_files(directory)
+    if len(found) != 1:
+        return "no optimizer shards" if not found else f"shards of several world sizes {sorted(found)}"
+    ((world, files),) = found.items()
+    missing = sorted(set(range(world)) - set(files))
+    return f"the optimizer shards of ranks {missing} (of {world})" if missing else None
+
+
+def _read_shards(directory: Path, rank: int, world_size: int) -> list[dict[str, Any]]:
+    """This rank's shard (same world size) or every shard (re-sharding)."""
+    found = shard_files(directory)
     if not found:
         raise FileNotFoundError(
             f"No ACCO optimizer shards (acco_optimizer_rank*_of_*.pt) in {directory}. Was the checkpoint written "

@@ -15,10 +15,11 @@ Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 REDUCE_SCATTER_SPELLINGS = ("auto", "native", "all_to_all")
+
+
+class PeerFailure(RuntimeError):
+    """A collective of an ACCO round failed: a peer rank died, or stopped answering until the timeout."""
 
 
 def check_world_size(expected: int, group: dist.ProcessGroup | None = None) -> None:
@@ -75,11 +80,28 @@ class Communicator:
         self.group = dist.new_group(ranks=ranks, timeout=timeout)  # collective: same order on every rank
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.timeout = timeout
         self.backend = dist.get_backend(self.group)
         if reduce_scatter == "auto":
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
         self.max_inflight = max(1, max_inflight)
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Turn a failed collective into a PeerFailure that says which ranks and what to do."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, PeerFailure):
+                raise
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            limit = f"{self.timeout.total_seconds():.0f} s" if self.timeout else "the process group's timeout"
+            raise PeerFailure(
+                f"ACCO {what} failed on rank {self.rank} of {self.world_size}: peer rank(s) {peers} died or did not "
+                f"answer within {limit} ({type(e).__name__}: {e}). Nothing was written by this round; restart the "
+                "job and resume from the last complete checkpoint."
+            ) from e
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False

@@ -76,6 +76,7 @@ class RoundResult:
     grad_norm: float  # global norm of the averaged gradient, before clipping
     seconds: float  # wall time of the round in the background thread
     joined: int = 0  # ranks that were in a rendezvous when they launched this round
+    skipped: bool = False  # the averaged gradient was not finite: no update (the same decision on every rank)
 
 
 def _enum(cls: type[Enum], value: Any, what: str) -> Any:
@@ -111,6 +112,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         auto_step (`bool`, defaults to `False`): ``after_backward`` ends the optimizer step itself when it is
             ready, and ``step()`` only marks the caller's window (for dynamic accumulation inside a loop whose
             windows are a fixed number of micro-batches, such as Trainer's).
+        nonfinite (`str`, defaults to `"skip"`): when the averaged gradient has an inf or NaN (seen by every rank
+            in the all-reduced norm, so all take the same decision): ``"skip"`` the update (master, state and
+            estimate stay as they are; counted in ``totals["skipped_steps"]``) or ``"error"``: stop with an error.
         **defaults: hyper-parameters of the inner optimizer (``lr``, ``weight_decay``, ``betas``, ...).
     """
 
@@ -132,6 +136,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         allow_custom_optimizer: bool = False,
         broadcast_parameters: bool = True,
         auto_step: bool = False,
+        nonfinite: str = "skip",
         **defaults: Any,
     ) -> None:
         check_elementwise(optimizer_cls, allow_custom_optimizer)
@@ -144,6 +149,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.warmup_steps = warmup_steps
         self.auto_step = auto_step
+        if nonfinite not in ("skip", "error"):
+            raise ValueError(f"nonfinite must be 'skip' or 'error', got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.grad_scale = 1.0  # multiplies the gradients of the next backward passes as they are accumulated
         super().__init__(params, defaults)
         named = _trainable(self.param_groups)
@@ -197,7 +205,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._rounds: list[RoundResult] = []
         self.last_step_stats: dict[str, float] = {}
         self.last_commit: RoundResult | None = None  # the latest commit round waited for
-        self.totals = dict.fromkeys(("steps", "micro_batches", "weight", "wait_s", "round_s"), 0.0)  # since start
+        self.totals = dict.fromkeys(("steps", "micro_batches", "weight", "wait_s", "round_s", "skipped_steps"), 0.0)
         self._in_eval = False
         self._eval_backup: torch.Tensor | None = None
         self._joined = False  # in a rendezvous: this rank computes nothing until every rank has joined
@@ -511,12 +519,19 @@ class ACCOOptimizer(torch.optim.Optimizer):
             self._rounds.append(result)
             if result.kind is RoundKind.COMMIT:
                 self.last_commit = result
+                self.totals["skipped_steps"] += float(result.skipped)
         return time.perf_counter() - t0
 
     # ---- internals: the round (background thread; touches only ``buf`` and the shard) ---------------------
 
-    @torch.no_grad()
     def _round(self, kind: RoundKind, buf: torch.Tensor, counts: torch.Tensor, hparams: list[dict]) -> RoundResult:
+        with self.comm.guard(f"{kind.value} round {self.step_count}"):
+            return self._round_body(kind, buf, counts, hparams)
+
+    @torch.no_grad()
+    def _round_body(
+        self, kind: RoundKind, buf: torch.Tensor, counts: torch.Tensor, hparams: list[dict]
+    ) -> RoundResult:
         t0 = time.perf_counter()
         layout, comm, shard = self.layout, self.comm, self.shard
         # 1. global weight and micro-batch count, asynchronously
@@ -526,10 +541,11 @@ class ACCOOptimizer(torch.optim.Optimizer):
         count_work.wait()
         total_weight, total_micro_batches, joined = counts.tolist()
         if total_weight <= 0 and joined == 0:
-            raise RuntimeError(
+            raise ValueError(
                 "The global weight of an ACCO round is 0 (no micro-batch or no tokens on any rank): check that "
                 "the dataset is not empty and that labels are not all masked."
             )
+        skipped = False
         if total_weight <= 0:  # a rendezvous round in which no rank had a micro-batch: no update (same everywhere)
             norm = torch.zeros(1, device=buf.device)
             self._put_own_pieces(buf, shard.master)
@@ -538,18 +554,28 @@ class ACCOOptimizer(torch.optim.Optimizer):
             shard.grad.div_(total_weight)
             # 4. global gradient norm and clipping, as torch.nn.utils.clip_grad_norm_ computes them
             norm = self._global_grad_norm()
-            if self.max_grad_norm is not None:
-                shard.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
-            # 5. optimizer update, 6. written into this rank's pieces of ``buf``
-            if kind is RoundKind.COMMIT:
-                shard.commit(hparams)
+            skipped = not bool(torch.isfinite(norm).all())  # all-reduced: every rank decides the same
+            if skipped and self.nonfinite == "error":
+                raise FloatingPointError(
+                    f"The averaged gradient of this {kind.value} round is not finite (global norm {norm.item()}) on "
+                    "every rank. Lower the learning rate, check the data for bad examples, or train with "
+                    "bf16 instead of fp16; or let ACCO skip such steps (nonfinite='skip')."
+                )
+            if skipped:  # 5. no update: the round hands back the committed parameters
                 self._put_own_pieces(buf, shard.master)
-            else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
-                shard.estimate(hparams, self._own_pieces(buf))
+            else:
+                if self.max_grad_norm is not None:
+                    shard.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
+                # 5. optimizer update, 6. written into this rank's pieces of ``buf``
+                if kind is RoundKind.COMMIT:
+                    shard.commit(hparams)
+                    self._put_own_pieces(buf, shard.master)
+                else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
+                    shard.estimate(hparams, self._own_pieces(buf))
         # 7. all-gather
         comm.all_gather(layout, None, buf)
         seconds = time.perf_counter() - t0
-        return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined))
+        return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined), skipped)
 
     def _global_grad_norm(self) -> torch.Tensor:
         """Norm of the per-parameter norms (clip_grad_norm_'s formula, so that clipping matches it to the bit

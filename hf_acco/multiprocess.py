@@ -62,10 +62,12 @@ def run_ranks(
     timeout: float = 240.0,
     backend: str = "gloo",
     start_method: str = "fork",
+    fail_fast: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """``fn(rank, world_size, **kwargs)`` on ``world_size`` processes; returns their results by rank.
 
+    ``fail_fast=False`` lets the other ranks run on when one fails (to watch how they react), until the timeout.
     ``backend=None`` sets the environment a launcher would (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and leaves
     initialising the process group to ``fn`` (e.g. to Accelerate). Use ``start_method="spawn"`` (and a
     module-level ``fn``) once CUDA may be initialised: CUDA does not survive a fork.
@@ -86,7 +88,8 @@ def run_ranks(
         deadline = time.monotonic() + timeout
         try:
             while any(p.is_alive() for p in procs):
-                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                failed = fail_fast and any(p.exitcode not in (None, 0) for p in procs)
+                if failed or time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
         finally:

@@ -29,20 +29,64 @@ around evaluation and before every micro-batch.
 from __future__ import annotations
 
 import datetime
+import json
+import logging
 import os
+import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .checkpoint import atomic_save, load_optimizer_state, save_optimizer_state
+from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
 from .comm import Communicator, check_world_size
 from .config import check_supported
 from .core import ACCOOptimizer, Accumulation, validate_settings
 from .optim import check_elementwise
 
+logger = logging.getLogger(__name__)
+
 SCHEDULER_NAME = "scheduler.pt"
+TRAINER_STATE_NAME = "trainer_state.json"
+JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
+
+
+def checkpoint_incomplete(path: str) -> str | None:
+    """Why ``path`` is not a complete ACCOTrainer checkpoint, or None.
+
+    Every rank writes its files, then the ranks meet, then rank 0 writes ``trainer_state.json``: a checkpoint
+    with a readable trainer state (and no JIT sentinel) has all its files. One killed while it was written lacks it.
+    """
+    state = os.path.join(path, TRAINER_STATE_NAME)
+    if not os.path.isfile(state):
+        return f"it has no {TRAINER_STATE_NAME} (it was being written when the run stopped)"
+    try:
+        with open(state, encoding="utf-8") as f:
+            json.load(f)
+    except ValueError:
+        return f"its {TRAINER_STATE_NAME} is truncated"
+    if os.path.exists(os.path.join(path, JIT_SENTINEL)):
+        return "its pre-emption (JIT) checkpoint did not finish"
+    missing = missing_shards(path)
+    return f"it lacks {missing}" if missing else None
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The checkpoint-N directory with the highest N that is complete (see ``checkpoint_incomplete``)."""
+    if not os.path.isdir(output_dir):
+        return None
+    candidates = []
+    for name in os.listdir(output_dir):
+        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        if match and os.path.isdir(os.path.join(output_dir, name)):
+            candidates.append((int(match.group(1)), os.path.join(output_dir, name)))
+    for _, path in sorted(candidates, reverse=True):
+        reason = checkpoint_incomplete(path)
+        if reason is None:
+            return path
+        logger.warning("Skipping %s: %s.", path, reason)
+    return None
 
 
 def _setting(args: TrainingArguments, name: str, default: Any) -> Any:
@@ -79,8 +123,35 @@ class ACCOTrainer(Trainer):
             cls, _ = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
             check_elementwise(cls)
         check_world_size(self.accelerator.num_processes)
+        _agree_on_jit_checkpoints(self)
         self.acco: ACCOOptimizer | None = None
         self._logged_totals: dict[str, float] = {}
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train, resuming only from complete checkpoints (``True``: the latest complete one)."""
+        if resume_from_checkpoint is True:
+            found = last_complete_checkpoint(self.args.output_dir)
+            if found is None:
+                raise ValueError(
+                    f"No complete checkpoint in {self.args.output_dir} to resume from. Start without "
+                    "resume_from_checkpoint, or point it at a checkpoint directory."
+                )
+            resume_from_checkpoint = found
+        elif isinstance(resume_from_checkpoint, str):
+            if not os.path.isdir(resume_from_checkpoint):
+                raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory.")
+            reason = checkpoint_incomplete(resume_from_checkpoint)
+            if reason is not None:
+                latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
+                raise ValueError(
+                    f"Cannot resume from {resume_from_checkpoint}: {reason}. "
+                    + (
+                        f"The latest complete checkpoint is {latest}."
+                        if latest
+                        else "No complete checkpoint is there."
+                    )
+                )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ---- model and optimizer ------------------------------------------------------------------------------
 
@@ -221,6 +292,13 @@ class ACCOTrainer(Trainer):
         if self.args.should_save:
             atomic_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        # Every rank's files are on disk before rank 0 writes trainer_state.json, which marks the checkpoint
+        # complete (see checkpoint_incomplete); a checkpoint cut short by a crash is never resumed from.
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
@@ -255,6 +333,41 @@ class ACCOTrainer(Trainer):
             for rank, value in enumerate(self.accelerator.gather(mine).tolist()):
                 out[f"acco_micro_batches_rank{rank}"] = value
         return out
+
+
+class _JITAgreement(TrainerCallback):
+    """Transformers' SIGTERM (JIT) checkpoint, requested on all ranks at the same step boundary.
+
+    Its SIGTERM timer sets a flag per process, at any moment: ranks would save at different steps, and an
+    ACCO checkpoint needs every rank's shard of the same step. The timer here only marks the request; at each
+    step's start the ranks all-reduce it (one small collective per step, only with ``enable_jit_checkpoint``)
+    and then all raise the flag the JIT callback checks, which saves at that step boundary and stops.
+    """
+
+    def __init__(self, trainer: Trainer, manager: Any) -> None:
+        self.trainer, self.manager, self.pending = trainer, manager, False
+        manager._enable_checkpoint = self._mark  # called by the SIGTERM timer thread
+
+    def _mark(self) -> None:
+        self.pending = True
+
+    def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        flag = torch.tensor([1.0 if self.pending else 0.0], device=args.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self.pending = False
+            self.manager.is_checkpoint_requested = True
+
+
+def _agree_on_jit_checkpoints(trainer: Trainer) -> None:
+    """Put a _JITAgreement callback in front of transformers' JIT checkpoint callback, if there is one."""
+    callbacks = trainer.callback_handler.callbacks
+    for i, cb in enumerate(callbacks):
+        manager = getattr(cb, "jit_manager", None)
+        if manager is not None:
+            callbacks.insert(i, _JITAgreement(trainer, manager))
+            return
 
 
 def _ensure_process_group(device: torch.device) -> None:
