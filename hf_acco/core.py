@@ -366,11 +366,13 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Drain the round in flight and release the background thread and the gradient hooks."""
-        self.synchronize()
-        self._runner.shutdown()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        try:
+            self.synchronize()
+        finally:
+            self._runner.shutdown()
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
 
     # ---- state --------------------------------------------------------------------------------------------
 
@@ -514,7 +516,11 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     def _wait(self, handle: RoundHandle) -> float:
         t0 = time.perf_counter()
-        result = handle.wait()
+        try:
+            result = handle.wait()
+        except BaseException:
+            self._inflight, self._inflight_kind = None, None  # that round is over; report its error once
+            raise
         if isinstance(result, RoundResult) and (not self._rounds or self._rounds[-1] is not result):
             self._rounds.append(result)
             if result.kind is RoundKind.COMMIT:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
-from .comm import Communicator, check_world_size
+from .comm import Communicator, PeerFailure, check_world_size
 from .config import check_supported
 from .core import ACCOOptimizer, Accumulation, validate_settings
 from .optim import check_elementwise
@@ -48,6 +48,8 @@ from .optim import check_elementwise
 logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"
+# what gloo and NCCL say when a peer process is gone or hung (DistError subclasses are matched by type)
+_PEER_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Socket Timeout", "remote process exited")
 TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
 
@@ -151,7 +153,18 @@ class ACCOTrainer(Trainer):
                         else "No complete checkpoint is there."
                     )
                 )
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        except (RuntimeError, dist.DistError) as e:
+            if not (isinstance(e, (PeerFailure, dist.DistError)) or any(m in str(e) for m in _PEER_ERRORS)):
+                raise
+            rank, world = self.args.process_index, self.args.world_size
+            latest = last_complete_checkpoint(self.args.output_dir)
+            raise PeerFailure(
+                f"Training stopped on rank {rank}: peer rank(s) {[r for r in range(world) if r != rank]} died or "
+                f"stopped answering ({type(e).__name__}). The last complete checkpoint is {latest}; restart all "
+                f"ranks with resume_from_checkpoint=True to continue from it. Cause: {e}"
+            ) from e
 
     # ---- model and optimizer ------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -56,6 +57,20 @@ class SlowRank(TrainerCallback):
         self.on_substep_end(args, state, control)
 
 
+class Faults(TrainerCallback):
+    """Injected failures: SIGKILL of rank 1, SIGTERM of every rank, slow steps."""
+
+    def __init__(self, kill_rank1_at_step: int, sigterm_at_step: int, step_sleep: float) -> None:
+        self.kill_at, self.term_at, self.sleep = kill_rank1_at_step, sigterm_at_step, step_sleep
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.kill_at and args.process_index == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(self.sleep)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--acco", action="store_true", help="ACCOTrainer + ACCOConfig instead of Trainer")
@@ -67,6 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--extra", default="{}", help="more training arguments, as JSON")
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the model")
     parser.add_argument("--stop_at_micro_batch", type=int, default=0, help="a callback stops training there")
+    parser.add_argument("--kill_rank1_at_step", type=int, default=0, help="fault: SIGKILL rank 1 after this step")
+    parser.add_argument("--kill_rank1_in_checkpoint", type=int, default=0, help="fault: SIGKILL rank 1 mid-save")
+    parser.add_argument("--sigterm_at_step", type=int, default=0, help="fault: SIGTERM every rank after this step")
+    parser.add_argument("--step_sleep", type=float, default=0.0, help="sleep after every step (seconds)")
     parser.add_argument("--train_size", type=int, default=256, help="training examples")
     parser.add_argument("--slow_rank_delay", type=float, default=0.0, help="rank 1 sleeps this long per micro-batch")
     cli = parser.parse_args(argv)
@@ -107,6 +126,17 @@ def main(argv: list[str] | None = None) -> dict:
     callbacks = [StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else []
     if cli.slow_rank_delay:
         callbacks.append(SlowRank(cli.slow_rank_delay))
+    if cli.kill_rank1_at_step or cli.sigterm_at_step or cli.step_sleep:
+        callbacks.append(Faults(cli.kill_rank1_at_step, cli.sigterm_at_step, cli.step_sleep))
+    if cli.kill_rank1_in_checkpoint:
+        save_rng_state = trainer_cls._save_rng_state
+
+        def dying_save(self, output_dir):  # rank 1 dies after writing its shard, before the ranks meet
+            if self.args.process_index == 1 and self.state.global_step == cli.kill_rank1_in_checkpoint:
+                os.kill(os.getpid(), signal.SIGKILL)
+            save_rng_state(self, output_dir)
+
+        trainer_cls._save_rng_state = dying_save
     trainer = trainer_cls(
         model=model,
         args=args,
@@ -114,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         eval_dataset=make_dataset(32, 2),
         callbacks=callbacks,
     )
-    trainer.train(resume_from_checkpoint=cli.resume)
+    trainer.train(resume_from_checkpoint=True if cli.resume == "last" else cli.resume)
     trainer.save_model(os.path.join(cli.output_dir, "final"))
     result = {
         "log_history": trainer.state.log_history,

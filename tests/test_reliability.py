@@ -1,0 +1,118 @@
+"""Failures lose nothing and hang nothing: dead peers, crashes while saving, pre-emption, non-finite gradients."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.trainer_utils import get_last_checkpoint
+
+from hf_acco import ACCOOptimizer
+from hf_acco.multiprocess import run_ranks
+from hf_acco.trainer import checkpoint_incomplete
+
+from .models import batch, decay_groups, mean_loss, tiny_llama
+from .test_trainer import flat, train
+
+FAULT_TIMEOUTS = {"acco_comm_timeout_s": 20, "ddp_timeout": 20, "logging_steps": 100}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[dict]:
+    """12 steps without a fault: what every resumed run must equal."""
+    return train(tmp_path_factory.mktemp("straight"), acco=True)
+
+
+def test_killed_peer_gives_a_clear_error_in_bounded_time_and_the_last_checkpoint_resumes(
+    tmp_path: Path, straight: list[dict]
+) -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        train(tmp_path, acco=True, save_steps=2, kill_rank1_at_step=5, extra=FAULT_TIMEOUTS)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert "rank 1: no result (exit code -9" in text  # SIGKILL
+    assert "PeerFailure: Training stopped on rank 0: peer rank(s) [1] died or stopped answering" in text
+    assert "checkpoint-4; restart all ranks with resume_from_checkpoint=True" in text
+    assert elapsed < 60, elapsed  # not the 20 s timeout plus a hang: gloo sees the closed connection at once
+    assert checkpoint_incomplete(str(tmp_path / "checkpoint-4")) is None
+    resumed = train(tmp_path, acco=True, resume="last")
+    for r in range(2):
+        assert torch.equal(flat(resumed[r]["params"]), flat(straight[r]["params"]))
+
+
+def test_crash_while_saving_leaves_the_previous_checkpoint_as_the_latest(tmp_path: Path, straight: list[dict]) -> None:
+    with pytest.raises(RuntimeError):
+        train(tmp_path, acco=True, save_steps=2, kill_rank1_in_checkpoint=4, extra=FAULT_TIMEOUTS)
+    partial = tmp_path / "checkpoint-4"
+    assert partial.is_dir() and "no trainer_state.json" in checkpoint_incomplete(str(partial))
+    assert get_last_checkpoint(str(tmp_path)) == str(partial)  # what plain Trainer would resume from
+    with pytest.raises(RuntimeError, match="Cannot resume from .*checkpoint-4: it has no trainer_state.json"):
+        train(tmp_path / "explicit", acco=True, resume=str(partial))
+    resumed = train(tmp_path, acco=True, resume="last")  # skips checkpoint-4, resumes checkpoint-2
+    for r in range(2):
+        assert torch.equal(flat(resumed[r]["params"]), flat(straight[r]["params"]))
+
+
+def test_sigterm_preemption_checkpoint_is_consistent_and_resumes_exactly(tmp_path: Path) -> None:
+    """transformers' JIT checkpoint: SIGTERM, a 3 s grace, then every rank saves at the same step and stops."""
+    extra = {"enable_jit_checkpoint": True}
+    reference = train(tmp_path / "reference", acco=True, max_steps=40, extra=extra)
+    stopped = train(tmp_path, acco=True, max_steps=40, sigterm_at_step=2, step_sleep=0.25, extra=extra)
+    steps = [h["step"] for h in stopped[0]["log_history"] if "loss" in h]
+    assert 2 < steps[-1] < 40  # stopped early
+    checkpoint = get_last_checkpoint(str(tmp_path))
+    assert checkpoint_incomplete(checkpoint) is None
+    shards = [torch.load(Path(checkpoint) / f"acco_optimizer_rank{r}_of_2.pt", weights_only=True) for r in range(2)]
+    assert shards[0]["step_count"] == shards[1]["step_count"] == int(checkpoint.rsplit("-", 1)[1])
+    resumed = train(tmp_path, acco=True, max_steps=40, resume="last", extra=extra)
+    for r in range(2):
+        assert torch.equal(flat(resumed[r]["params"]), flat(reference[r]["params"]))
+
+
+def nan_run(rank: int, world_size: int, nonfinite: str) -> dict:
+    model = tiny_llama()
+    opt = ACCOOptimizer(decay_groups(model, 0.1), lr=1e-2, micro_batches=4, max_grad_norm=1.0, nonfinite=nonfinite)
+    committed = []
+    try:
+        for t in range(6):
+            for i in range(4):
+                loss = mean_loss(model, batch(rank, t * 4 + i))[0]
+                if rank == 1 and t == 3 and i == 0:
+                    loss = loss * float("nan")  # one bad micro-batch on one rank, in half A of step 3
+                loss.backward()
+                opt.after_backward()
+            opt.step()
+            with opt.committed_parameters():
+                committed.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    except FloatingPointError as e:
+        return {"error": str(e)}
+    finally:
+        opt.close()
+    return {"committed": committed, "skipped": opt.totals["skipped_steps"]}
+
+
+def test_nonfinite_gradient_step_is_skipped_on_every_rank() -> None:
+    results = run_ranks(nan_run, nonfinite="skip")
+    for r in results:
+        assert r["skipped"] == 1.0
+        assert all(torch.isfinite(c).all() for c in r["committed"])
+        assert torch.equal(r["committed"][3], r["committed"][2])  # step 3 did not move θ
+        assert not torch.equal(r["committed"][4], r["committed"][3])  # training went on
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["committed"], results[1]["committed"]))
+
+
+def test_nonfinite_gradient_can_stop_every_rank_with_an_error() -> None:
+    results = run_ranks(nan_run, nonfinite="error")
+    assert all("is not finite" in r["error"] for r in results)
+
+
+def test_fault_free_runs_write_complete_checkpoints(tmp_path: Path) -> None:
+    train(tmp_path, acco=True, save_steps=4)
+    for step in (4, 8, 12):
+        assert checkpoint_incomplete(str(tmp_path / f"checkpoint-{step}")) is None
+    state = json.loads((tmp_path / "checkpoint-12" / "trainer_state.json").read_text())
+    assert state["global_step"] == 12
