@@ -33,6 +33,9 @@ class ACCOConfig(TrainingArguments):
             `"all_to_all"`.
         acco_bucket_numel (`int`, *optional*):
             Elements per communication bucket.
+        acco_nonfinite (`str`, *optional*, defaults to `"skip"`):
+            When the averaged gradient has an inf or NaN (every rank sees the same all-reduced norm): `"skip"` the
+            step everywhere (counted as `acco_skipped_steps`), or `"error"`: stop.
         acco_comm_timeout_s (`float`, *optional*, defaults to 1800):
             Timeout of the round's collectives: a dead peer raises an error after this long instead of hanging.
     """
@@ -69,6 +72,13 @@ class ACCOConfig(TrainingArguments):
     acco_bucket_numel: int = field(
         default=DEFAULT_BUCKET_NUMEL, metadata={"help": "Elements per communication bucket."}
     )
+    acco_nonfinite: str = field(
+        default="skip",
+        metadata={
+            "help": "When the averaged gradient has an inf/NaN: skip the step on every rank, or stop with an error.",
+            "choices": ["skip", "error"],
+        },
+    )
     acco_comm_timeout_s: float = field(
         default=1800.0,
         metadata={"help": "Timeout in seconds of the round's collectives (a dead peer raises instead of hanging)."},
@@ -84,6 +94,14 @@ class ACCOConfig(TrainingArguments):
             # Trainer would all-gather token counts every step, holding fast ranks back to the slowest; ACCOTrainer
             # undoes the per-rank normalisation exactly instead (see ACCOTrainer._micro_batch_weight).
             self.average_tokens_across_devices = False
+        if self.acco_reduce_scatter not in ("auto", "native", "all_to_all"):
+            raise ValueError(
+                f"acco_reduce_scatter must be 'auto', 'native' or 'all_to_all', got {self.acco_reduce_scatter!r}"
+            )
+        if self.acco_nonfinite not in ("skip", "error"):
+            raise ValueError(f"acco_nonfinite must be 'skip' or 'error', got {self.acco_nonfinite!r}")
+        if self.acco_bucket_numel < 1:
+            raise ValueError(f"acco_bucket_numel must be >= 1, got {self.acco_bucket_numel}")
         if self.acco_warmup_steps < 0:
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:

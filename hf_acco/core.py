@@ -205,7 +205,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._rounds: list[RoundResult] = []
         self.last_step_stats: dict[str, float] = {}
         self.last_commit: RoundResult | None = None  # the latest commit round waited for
-        self.totals = dict.fromkeys(("steps", "micro_batches", "weight", "wait_s", "round_s", "skipped_steps"), 0.0)
+        # since the start: this rank's steps, micro-batches and weight; every commit round's global micro-batches
+        totals = ("steps", "micro_batches", "weight", "wait_s", "round_s", "skipped_steps", "global_micro_batches")
+        self.totals = dict.fromkeys(totals, 0.0)
         self._in_eval = False
         self._eval_backup: torch.Tensor | None = None
         self._joined = False  # in a rendezvous: this rank computes nothing until every rank has joined
@@ -526,6 +528,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
             if result.kind is RoundKind.COMMIT:
                 self.last_commit = result
                 self.totals["skipped_steps"] += float(result.skipped)
+                self.totals["global_micro_batches"] += result.micro_batches
         return time.perf_counter() - t0
 
     # ---- internals: the round (background thread; touches only ``buf`` and the shard) ---------------------

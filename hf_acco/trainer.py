@@ -121,6 +121,8 @@ class ACCOTrainer(Trainer):
                 "`optim`/`optim_args` or `optimizer_cls_and_kwargs`, and pass no optimizer instance."
             )
         super().__init__(*args, **kwargs)
+        if self.train_dataset is not None and hasattr(self.train_dataset, "__len__") and len(self.train_dataset) == 0:
+            raise ValueError("train_dataset is empty: ACCO has nothing to train on. Check the data files and filters.")
         if self.optimizer_cls_and_kwargs is None:
             cls, _ = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
             check_elementwise(cls)
@@ -208,6 +210,7 @@ class ACCOTrainer(Trainer):
             ),
             bucket_numel=_setting(args, "acco_bucket_numel", 1 << 20),
             auto_step=_setting(args, "acco_accumulation", "fixed") == "dynamic",  # steps decoupled from Trainer's
+            nonfinite=_setting(args, "acco_nonfinite", "skip"),
             **optimizer_kwargs,
         )
         # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)
@@ -337,6 +340,7 @@ class ACCOTrainer(Trainer):
             "acco_exposed_comm_s": delta["wait_s"] / steps,
             "acco_round_s": delta["round_s"] / steps,
             "acco_micro_batches": delta["micro_batches"] / steps,
+            "acco_skipped_steps": totals["skipped_steps"],
         }
         if self.acco.last_commit is not None:
             out["acco_global_micro_batches"] = float(self.acco.last_commit.micro_batches)

@@ -187,11 +187,33 @@ def test_dynamic_accumulation_with_a_slow_rank(tmp_path: Path) -> None:
         ({"fsdp": "full_shard"}, "cannot run under FSDP"),
         ({"gradient_accumulation_steps": 3}, "must be even and >= 2; got 3"),
         ({"acco_schedule": "zero"}, "schedule must be one of"),
+        ({"acco_accumulation": "dynamic", "acco_schedule": "sync"}, "Use accumulation='fixed' with 'sync'"),
+        ({"acco_reduce_scatter": "ring"}, "acco_reduce_scatter must be"),
+        ({"acco_nonfinite": "ignore"}, "acco_nonfinite must be"),
+        ({"acco_warmup_steps": -1}, "acco_warmup_steps must be >= 0"),
+        ({"acco_comm_timeout_s": 0}, "acco_comm_timeout_s must be > 0"),
+        ({"acco_bucket_numel": 0}, "acco_bucket_numel must be >= 1"),
     ],
 )
 def test_unsupported_settings_fail_at_construction(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ACCOConfig(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+
+
+def test_empty_dataset_and_foreign_optimizer_are_refused(tmp_path: Path) -> None:
+    from datasets import Dataset
+
+    from hf_acco import ACCOTrainer
+
+    from .models import tiny_llama
+
+    args = ACCOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    empty = Dataset.from_dict({"input_ids": [], "labels": []})
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        ACCOTrainer(model=tiny_llama(), args=args, train_dataset=empty)
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="builds its own optimizer"):
+        ACCOTrainer(model=model, args=args, optimizers=(torch.optim.AdamW(model.parameters()), None))
 
 
 def test_non_elementwise_optimizer_fails_at_construction(tmp_path: Path) -> None:
