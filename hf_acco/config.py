@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import cached_property
 
+from accelerate import PartialState
+from accelerate.utils import str_to_bool
 from transformers import TrainingArguments
 
 from .core import validate_settings
@@ -106,6 +111,15 @@ class ACCOConfig(TrainingArguments):
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:
             raise ValueError(f"acco_comm_timeout_s must be > 0, got {self.acco_comm_timeout_s}")
+
+    @cached_property
+    def _setup_devices(self):  # noqa: ANN202 - TrainingArguments' own property
+        # On CPU, TrainingArguments (transformers 5.24) starts the process group without `ddp_timeout`, so a hung
+        # peer would block Trainer's collectives for torch's default 30 minutes. Start it with the timeout.
+        cpu = self.use_cpu or str_to_bool(os.environ.get("ACCELERATE_USE_CPU", "False"))
+        if cpu and not PartialState._shared_state and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            PartialState(cpu=True, backend=self.ddp_backend, timeout=timedelta(seconds=self.ddp_timeout))
+        return TrainingArguments._setup_devices.func(self)
 
 
 def check_supported(args: TrainingArguments) -> None:

@@ -49,7 +49,14 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"
 # what gloo and NCCL say when a peer process is gone or hung (DistError subclasses are matched by type)
-_PEER_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Socket Timeout", "remote process exited")
+_PEER_ERRORS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Socket Timeout",
+    "Timed out waiting",
+    "remote process exited",
+    "Watchdog caught collective operation timeout",
+)
 TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
 

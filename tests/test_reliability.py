@@ -33,7 +33,7 @@ def test_killed_peer_gives_a_clear_error_in_bounded_time_and_the_last_checkpoint
 ) -> None:
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        train(tmp_path, acco=True, save_steps=2, kill_rank1_at_step=5, extra=FAULT_TIMEOUTS)
+        train(tmp_path, acco=True, save_steps=2, kill_rank1_at_step=5, extra=FAULT_TIMEOUTS, fail_fast=False)
     elapsed = time.monotonic() - start
     text = str(info.value)
     assert "rank 1: no result (exit code -9" in text  # SIGKILL
@@ -46,9 +46,20 @@ def test_killed_peer_gives_a_clear_error_in_bounded_time_and_the_last_checkpoint
         assert torch.equal(flat(resumed[r]["params"]), flat(straight[r]["params"]))
 
 
+def test_hung_peer_is_reported_after_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 stops answering (SIGSTOP) but its sockets stay open: rank 0 gives up after the 5 s timeouts."""
+    timeouts = {**FAULT_TIMEOUTS, "acco_comm_timeout_s": 5, "ddp_timeout": 5}
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        train(tmp_path, acco=True, stop_rank1_at_step=3, extra=timeouts)  # fail_fast: rank 0's error ends the run
+    elapsed = time.monotonic() - start
+    assert "Training stopped on rank 0: peer rank(s) [1] died or stopped answering" in str(info.value)
+    assert 5 <= elapsed < 45, elapsed
+
+
 def test_crash_while_saving_leaves_the_previous_checkpoint_as_the_latest(tmp_path: Path, straight: list[dict]) -> None:
     with pytest.raises(RuntimeError):
-        train(tmp_path, acco=True, save_steps=2, kill_rank1_in_checkpoint=4, extra=FAULT_TIMEOUTS)
+        train(tmp_path, acco=True, save_steps=2, kill_rank1_in_checkpoint=4, extra=FAULT_TIMEOUTS, fail_fast=False)
     partial = tmp_path / "checkpoint-4"
     assert partial.is_dir() and "no trainer_state.json" in checkpoint_incomplete(str(partial))
     assert get_last_checkpoint(str(tmp_path)) == str(partial)  # what plain Trainer would resume from

@@ -19,13 +19,13 @@ def _script(rank: int, world_size: int, argv: list[str]) -> dict:
     return trainer_script.main(argv)
 
 
-def train(out: Path, acco: bool, world_size: int = 2, **options) -> list[dict]:
+def train(out: Path, acco: bool, world_size: int = 2, fail_fast: bool = True, **options) -> list[dict]:
     """Run tests/scripts/trainer_script.py on forked ranks set up like `accelerate launch` would."""
     extra = options.pop("extra", {})
     argv = ["--output_dir", str(out), "--extra", json.dumps(extra)] + (["--acco"] if acco else [])
     for key, value in options.items():
         argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
-    return run_ranks(_script, world_size=world_size, backend=None, argv=argv)
+    return run_ranks(_script, world_size=world_size, backend=None, argv=argv, fail_fast=fail_fast, timeout=180)
 
 
 def losses(result: dict) -> list[float]:

@@ -60,12 +60,14 @@ class SlowRank(TrainerCallback):
 class Faults(TrainerCallback):
     """Injected failures: SIGKILL of rank 1, SIGTERM of every rank, slow steps."""
 
-    def __init__(self, kill_rank1_at_step: int, sigterm_at_step: int, step_sleep: float) -> None:
-        self.kill_at, self.term_at, self.sleep = kill_rank1_at_step, sigterm_at_step, step_sleep
+    def __init__(self, kill_at: int, stop_at: int, sigterm_at: int, step_sleep: float) -> None:
+        self.kill_at, self.stop_at, self.term_at, self.sleep = kill_at, stop_at, sigterm_at, step_sleep
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.kill_at and args.process_index == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == self.stop_at and args.process_index == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)  # alive but silent: only a timeout can tell
         if state.global_step == self.term_at:
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(self.sleep)
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the model")
     parser.add_argument("--stop_at_micro_batch", type=int, default=0, help="a callback stops training there")
     parser.add_argument("--kill_rank1_at_step", type=int, default=0, help="fault: SIGKILL rank 1 after this step")
+    parser.add_argument("--stop_rank1_at_step", type=int, default=0, help="fault: SIGSTOP rank 1 (hangs)")
     parser.add_argument("--kill_rank1_in_checkpoint", type=int, default=0, help="fault: SIGKILL rank 1 mid-save")
     parser.add_argument("--sigterm_at_step", type=int, default=0, help="fault: SIGTERM every rank after this step")
     parser.add_argument("--step_sleep", type=float, default=0.0, help="sleep after every step (seconds)")
@@ -126,8 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     callbacks = [StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else []
     if cli.slow_rank_delay:
         callbacks.append(SlowRank(cli.slow_rank_delay))
-    if cli.kill_rank1_at_step or cli.sigterm_at_step or cli.step_sleep:
-        callbacks.append(Faults(cli.kill_rank1_at_step, cli.sigterm_at_step, cli.step_sleep))
+    if cli.kill_rank1_at_step or cli.stop_rank1_at_step or cli.sigterm_at_step or cli.step_sleep:
+        callbacks.append(Faults(cli.kill_rank1_at_step, cli.stop_rank1_at_step, cli.sigterm_at_step, cli.step_sleep))
     if cli.kill_rank1_in_checkpoint:
         save_rng_state = trainer_cls._save_rng_state
 
