@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,6 +15,18 @@ def test_ci_runs_the_readme_test_command() -> None:
     command = ci[ci.index(next(line for line in ci if "README test command" in line)) + 1]
     assert command in (ROOT / "README.md").read_text()
     assert command.startswith("python3 -m pip install torch==2.13.0 && ")  # torch first, pinned
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_launch_config_parses_and_starts_several_processes(path: Path) -> None:
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = ClusterConfig.from_yaml_file(str(path))
+    assert config.num_processes >= 2
+    # MULTI_CPU starts one process unless mpirun is configured; MULTI_GPU/torchrun starts them all
+    assert config.distributed_type.value == "MULTI_GPU", "MULTI_CPU would silently start one process"
+    assert config.num_processes % config.num_machines == 0
+    assert len(list((ROOT / "accelerate_configs").glob("*.yaml"))) >= 3
 
 
 def test_cpu_launch_config_starts_two_ranks() -> None:
