@@ -1,0 +1,156 @@
+"""The recipes: Alpaca prompts and labels, --help, and end-to-end runs through `accelerate launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_acco.alpaca import (
+    PROMPT_NO_INPUT,
+    PROMPT_WITH_INPUT,
+    build_word_tokenizer,
+    check_records,
+    format_prompt,
+    generated_alpaca,
+    load_records,
+    tokenize_example,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+RECORD = {"instruction": "Reverse the order of these words.", "input": "apple river", "output": "river apple"}
+NO_INPUT = {"instruction": "Name a color.", "input": "", "output": "red"}
+
+
+def _tokenizer():
+    return build_word_tokenizer([format_prompt(r) + " " + r["output"] for r in (RECORD, NO_INPUT)])
+
+
+def test_prompt_template_with_and_without_input() -> None:
+    assert format_prompt(RECORD) == PROMPT_WITH_INPUT.format(instruction=RECORD["instruction"], input="apple river")
+    assert "### Input:" in format_prompt(RECORD)
+    assert format_prompt(NO_INPUT) == PROMPT_NO_INPUT.format(instruction="Name a color.")
+    assert "### Input:" not in format_prompt(NO_INPUT)
+    assert format_prompt(NO_INPUT).startswith("Below is an instruction that describes a task. Write a response")
+
+
+@pytest.mark.parametrize("record", [RECORD, NO_INPUT], ids=["with-input", "without-input"])
+def test_only_the_response_and_its_eos_are_learned(record: dict) -> None:
+    tok = _tokenizer()
+    example = tokenize_example(record, tok, max_length=512)
+    prompt = tok(format_prompt(record), add_special_tokens=False)["input_ids"]
+    response = tok(record["output"], add_special_tokens=False)["input_ids"]
+    assert example["input_ids"] == prompt + response + [tok.eos_token_id]
+    assert example["labels"] == [-100] * len(prompt) + response + [tok.eos_token_id]
+
+
+def test_truncation_keeps_the_end_of_sequence_token() -> None:
+    tok = _tokenizer()
+    full = tokenize_example(RECORD, tok, max_length=512)
+    cut = tokenize_example(RECORD, tok, max_length=len(full["input_ids"]) - 1)
+    assert len(cut["input_ids"]) == len(full["input_ids"]) - 1
+    assert cut["input_ids"][-1] == cut["labels"][-1] == tok.eos_token_id
+    assert cut["input_ids"][:-1] == full["input_ids"][: len(cut["input_ids"]) - 1]
+
+
+def test_generated_set_answers_are_right() -> None:
+    records = generated_alpaca(500, seed=1)
+    for r in records:
+        words = r["input"].split()
+        if r["instruction"].startswith("Reverse"):
+            assert r["output"].split() == words[::-1]
+        elif r["instruction"].startswith("Sort"):
+            assert r["output"].split() == sorted(words, key=int)
+        elif r["instruction"].startswith("What is the sum"):
+            assert int(r["output"]) == int(words[0]) + int(words[1])
+        elif r["instruction"].startswith("Repeat"):
+            assert r["output"].split() == words * 3
+        else:
+            assert r["output"] == min(words)
+    assert generated_alpaca(50, seed=1) == records[:50]  # deterministic
+
+
+def test_bad_datasets_are_explained(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_records(tmp_path / "nope.json")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "output": "y"}) + "\n")
+    with pytest.raises(ValueError, match=r"example 0 lacks \['instruction'\]"):
+        load_records(bad)
+    with pytest.raises(ValueError, match="holds no example"):
+        check_records([], "empty.json")
+
+
+@pytest.mark.skipif(not (DATA / "alpaca").is_dir(), reason="../shared/data/alpaca is absent")
+def test_the_shipped_alpaca_sample_loads() -> None:
+    records = load_records(DATA / "alpaca" / "alpaca_data_first200.json")
+    assert len(records) == 200 and records[0]["instruction"] == "Give three tips for staying healthy."
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.py")), ids=lambda p: p.name)
+def test_every_recipe_has_a_working_help(recipe: Path) -> None:
+    done = subprocess.run([sys.executable, str(recipe), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage" in done.stdout.lower()
+
+
+def launch(recipe: str, *args: str) -> subprocess.CompletedProcess:
+    config = str(ROOT / "accelerate_configs/cpu_2proc.yaml")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(ROOT / "recipes" / recipe)]
+    cmd += list(args)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_alpaca_recipe_trains_saves_resumes_and_lambada_scores_its_output(tmp_path: Path) -> None:
+    out = tmp_path / "alpaca"
+    common = ["--output_dir", str(out), "--num_generated", "600", "--heldout", "40", "--max_steps", "8"]
+    launch("alpaca_finetune.py", *common, "--save_strategy", "steps", "--save_steps", "4")
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 8
+    assert metrics["heldout_loss"] < metrics["heldout_loss_before"]
+    assert 0.0 <= metrics["exact_match_after"] <= 1.0
+    assert (out / "model.safetensors").is_file() and (out / "loss_curve.png").is_file()
+    assert (out / "checkpoint-4" / "acco_optimizer_rank1_of_2.pt").is_file()
+    # resume from the middle: ends at the same step count, from the checkpoint's state
+    launch("alpaca_finetune.py", *common, "--resume_from_checkpoint", str(out / "checkpoint-4"))
+    resumed = json.loads((out / "metrics.json").read_text())
+    assert resumed["steps"] == 8
+    assert resumed["heldout_loss"] == pytest.approx(metrics["heldout_loss"], rel=1e-4)
+    # LAMBADA on the fine-tuned model (its word-level tokenizer maps unknown words to <unk>)
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text(
+        "".join(json.dumps({"text": f"{r['input']} {r['output']}"}) + "\n" for r in generated_alpaca(30))
+    )
+    launch("lambada_eval.py", "--model_name_or_path", str(out), "--dataset_path", str(lambada),
+           "--output_dir", str(tmp_path / "lambada"))  # fmt: skip
+    scores = json.loads((tmp_path / "lambada" / "metrics.json").read_text())
+    assert scores["num_docs"] == 30 and {"lambada_acc", "lambada_ppl"} <= set(scores)
+
+
+@pytest.mark.skipif(not (DATA / "alpaca").is_dir(), reason="../shared/data/alpaca is absent")
+def test_alpaca_recipe_lora_on_the_shipped_sample_and_the_ddp_baseline(tmp_path: Path) -> None:
+    sample = str(DATA / "alpaca" / "alpaca_data_first200.json")
+    for method, extra in (("acco", ["--use_lora"]), ("ddp", [])):
+        out = tmp_path / method
+        launch("alpaca_finetune.py", "--dataset_path", sample, "--heldout", "20", "--max_steps", "4",
+               "--method", method, "--output_dir", str(out), *extra)  # fmt: skip
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["method"] == method and "exact_match_after" not in metrics
+    assert (tmp_path / "acco" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_the_embedded_default_learns(tmp_path: Path) -> None:
+    """The README's main job, unchanged: held-out exact match before and after (measured: 0.00 -> 0.77)."""
+    launch("alpaca_finetune.py", "--output_dir", str(tmp_path))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["exact_match_before"] < 0.05
+    assert metrics["exact_match_after"] > 0.5
