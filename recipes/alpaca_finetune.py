@@ -7,7 +7,7 @@
         --dataset_path ../shared/data/alpaca/alpaca_data_first200.json --use_lora --method ddp
     # a real model and the Hub dataset on 8 GPUs
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/alpaca_finetune.py \\
-        --model_name_or_path EleutherAI/pythia-410m --dataset_name tatsu-lab/alpaca --bf16 --max_steps 1000
+        --model_name_or_path EleutherAI/pythia-410m --hub --bf16 --max_steps 1000
 
 Steps: load the records; hold some out; build the model and tokenizer; format prompts (loss on the response
 only); train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp); measure held-out loss, and exact match of
@@ -68,7 +68,8 @@ class ScriptArguments:
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "A causal LM (Hub name or directory). Default: a small Llama built here."}
     )
-    dataset_name: str | None = field(default=None, metadata={"help": "A Hub dataset in the Alpaca format."})
+    hub: bool = field(default=False, metadata={"help": "Train on the Hub's Alpaca (--dataset_name, online)."})
+    dataset_name: str = field(default="tatsu-lab/alpaca", metadata={"help": "The Hub dataset used with --hub."})
     dataset_path: str | None = field(default=None, metadata={"help": "A local Alpaca JSON list or JSONL file."})
     num_generated: int = field(default=4000, metadata={"help": "Size of the generated set (no dataset given)."})
     heldout: int = field(default=200, metadata={"help": "Examples held out for evaluation."})
@@ -82,7 +83,7 @@ def load_data(args: ScriptArguments) -> tuple[list[dict], bool]:
     """(records, whether their answers are checkable by exact match)."""
     if args.dataset_path is not None:
         return load_records(args.dataset_path), False
-    if args.dataset_name is not None:
+    if args.hub:
         from datasets import load_dataset
 
         return check_records(list(load_dataset(args.dataset_name, split="train")), args.dataset_name), False

@@ -1,4 +1,5 @@
-"""The README's main job: `accelerate launch` with the CPU config really starts 2 gloo ranks and learns."""
+"""`accelerate launch` with the CPU config really starts 2 gloo ranks: the hand-written-loop example and a Trainer
+script that changes only its two class names. (The README's main job itself: tests/test_recipes.py.)"""
 
 from __future__ import annotations
 
