@@ -15,6 +15,7 @@ Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import threading
@@ -86,6 +87,16 @@ class Communicator:
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
         self.max_inflight = max(1, max_inflight)
+        atexit.register(self._destroy_at_exit)
+
+    def _destroy_at_exit(self) -> None:
+        """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at
+        exit can abort the process ("terminate called without an active exception") while a peer still works."""
+        try:
+            if dist.is_initialized() and self.group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(self.group)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:

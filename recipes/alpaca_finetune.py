@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         save_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png")
         print(json.dumps(metrics, indent=2))
+    trainer.accelerator.wait_for_everyone()  # ranks leave together, and tear the process groups down in order
+    trainer.accelerator.end_training()
     return metrics
 
 
