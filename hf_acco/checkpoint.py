@@ -78,8 +78,10 @@ def shard_files(directory: str | os.PathLike) -> dict[int, dict[int, Path]]:
 def missing_shards(directory: str | os.PathLike) -> str | None:
     """Why the shard set in ``directory`` is incomplete, or None if one world size has all its ranks."""
     found = shard_files(directory)
-    if len(found) != 1:
-        return "no optimizer shards" if not found else f"shards of several world sizes {sorted(found)}"
+    if not found:
+        return "the ACCO optimizer shards acco_optimizer_rank*_of_*.pt (written by plain Trainer, or save_only_model?)"
+    if len(found) > 1:
+        return f"a single set of optimizer shards (it has several world sizes {sorted(found)})"
     ((world, files),) = found.items()
     missing = sorted(set(range(world)) - set(files))
     return f"the optimizer shards of ranks {missing} (of {world})" if missing else None
