@@ -1,0 +1,133 @@
+"""Convergence study: the same pre-training run with each method and seed, side by side (resumable).
+
+    python recipes/convergence_study.py                                   # ddp, acco, dpu, sync, dpu+warm-up; 3 seeds
+    python recipes/convergence_study.py --methods ddp acco --seeds 0 --max_steps 150 --output_dir outputs/study
+
+Each run is `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/pretrain_clm.py` with the
+same data, data order and initialisation for a given seed; a finished run (its metrics.json) is not run again.
+Writes convergence.json (a list `runs`), table.md (final validation loss and perplexity per method: mean and
+spread over seeds, gap to DDP, the largest gap at any evaluation after the first 10 % of training, LAMBADA)
+and plots of validation loss per step and per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = {  # name -> pretrain_clm.py arguments
+    "ddp": ["--method", "ddp"],
+    "acco": ["--method", "acco"],
+    "dpu": ["--method", "dpu"],
+    "sync": ["--method", "sync"],
+    "dpu+warmup": ["--method", "dpu", "--acco_warmup_steps", "30"],
+}
+
+
+def run(method: str, seed: int, args: argparse.Namespace) -> dict:
+    out = Path(args.output_dir) / "runs" / f"{method.replace('+', '_')}_seed{seed}"
+    if not (out / "metrics.json").is_file():
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
+               str(ROOT / "recipes" / "pretrain_clm.py"), *METHODS[method], "--seed", str(seed),
+               "--max_steps", str(args.max_steps), "--eval_steps", str(args.eval_steps),
+               "--output_dir", str(out), *args.extra]  # fmt: skip
+        print(f"[study] {method} seed {seed}: {' '.join(cmd[3:])}", flush=True)
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {**metrics, "method": method}
+
+
+def summarise(runs: list[dict]) -> tuple[str, dict]:
+    by_method: dict[str, list[dict]] = {}
+    for r in runs:
+        by_method.setdefault(r["method"], []).append(r)
+    ddp = {r["seed"]: r for r in by_method.get("ddp", [])}
+    rows, summary = [], {}
+    for method, rs in by_method.items():
+        finals = [r["final_val_loss"] for r in rs]
+        gaps, curve_gaps = [], []
+        for r in rs:
+            ref = ddp.get(r["seed"])
+            if ref is None:
+                continue
+            gaps.append((r["final_val_loss"] - ref["final_val_loss"]) / ref["final_val_loss"])
+            cut = 0.1 * r["steps"]
+            curve_gaps += [
+                abs(a - b) / b for s, a, b in zip(r["eval_steps"], r["val_losses"], ref["val_losses"]) if s > cut
+            ]
+        entry = {
+            "seeds": len(rs),
+            "final_val_loss_mean": statistics.mean(finals),
+            "final_val_loss_spread": max(finals) - min(finals),
+            "final_gap_to_ddp_mean": statistics.mean(gaps) if gaps else None,
+            "max_curve_gap_to_ddp": max(curve_gaps) if curve_gaps else None,
+            "lambada_acc_mean": statistics.mean(r.get("lambada_acc", float("nan")) for r in rs),
+            "lambada_ppl_mean": statistics.mean(r.get("lambada_ppl", float("nan")) for r in rs),
+        }
+        summary[method] = entry
+        pct = lambda x: "-" if x is None else f"{100 * x:+.2f} %"  # noqa: E731
+        loss, half_range = entry["final_val_loss_mean"], entry["final_val_loss_spread"] / 2
+        cells = [method, str(entry["seeds"]), f"{loss:.4f} ± {half_range:.4f}", f"{math.exp(loss):.1f}",
+                 pct(entry["final_gap_to_ddp_mean"]), pct(entry["max_curve_gap_to_ddp"]).lstrip("+"),
+                 f"{entry['lambada_acc_mean']:.4f}", f"{entry['lambada_ppl_mean']:.3g}"]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    header = ("| method | seeds | final val loss (mean ± half-range) | val ppl | gap to DDP | max gap after 10 % | "
+              "LAMBADA acc | LAMBADA ppl |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    return header + "\n" + "\n".join(rows) + "\n", summary
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_token) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        label = f"{r['method']} s{r['seed']}"
+        tokens_per_step = r["tokens"] / max(r["steps"], 1)
+        by_step.plot(r["eval_steps"], r["val_losses"], label=label)
+        by_token.plot([s * tokens_per_step for s in r["eval_steps"]], r["val_losses"], label=label)
+    by_step.set_xlabel("optimizer step")
+    by_token.set_xlabel("tokens")
+    for ax in (by_step, by_token):
+        ax.set_ylabel("validation loss")
+        ax.set_yscale("log")
+    by_step.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--max_steps", type=int, default=300)
+    parser.add_argument("--eval_steps", type=int, default=20)
+    parser.add_argument("--accelerate_config", default=str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"))
+    parser.add_argument("--output_dir", default=str(ROOT / "recipes" / "results" / "convergence"))
+    parser.add_argument("extra", nargs="*", help="more pretrain_clm.py arguments (after --)")
+    args = parser.parse_args(argv)
+    runs = [run(m, s, args) for m in args.methods for s in args.seeds]
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table, summary = summarise(runs)
+    keep = ("method", "seed", "steps", "tokens", "final_val_loss", "final_val_ppl", "val_losses", "eval_steps",
+            "warmup_steps", "lambada_acc", "lambada_ppl", "lambada_docs")  # fmt: skip
+    payload = {"runs": [{k: r[k] for k in keep if k in r} for r in runs], "summary": summary}
+    (out / "convergence.json").write_text(json.dumps(payload, indent=2))
+    (out / "table.md").write_text(table)
+    plot(runs, out / "val_loss.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
