@@ -44,6 +44,51 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict:
     return {**metrics, "method": method}
 
 
+def launch(recipe: str, args: argparse.Namespace, *recipe_args: str) -> None:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
+           str(ROOT / "recipes" / recipe), *recipe_args]  # fmt: skip
+    print(f"[study] {recipe} {' '.join(recipe_args)}", flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def chain(args: argparse.Namespace) -> list[dict]:
+    """Pre-trained (seed 0) -> Alpaca fine-tune, full and LoRA, with acco and ddp -> LAMBADA before and after."""
+    out, entries = Path(args.output_dir), []
+    for pretrained_with in ("ddp", "acco"):
+        base = out / "runs" / f"{pretrained_with}_seed0"
+        for lora in (False, True):
+            for method in ("ddp", "acco"):
+                name = f"alpaca_{method}{'_lora' if lora else ''}_from_{pretrained_with}"
+                ft = out / "runs" / name
+                if not (ft / "metrics.json").is_file():
+                    extra = ["--use_lora", "--lora_target_modules", "query_key_value"] if lora else []
+                    launch("alpaca_finetune.py", "--model_name_or_path", str(base), "--dataset_path", args.alpaca_path,
+                           "--method", method, "--max_length", "128", "--heldout", "100", "--max_steps",
+                           str(args.alpaca_steps), "--learning_rate", "1e-3", "--warmup_steps", "10",
+                           "--per_device_train_batch_size", "4", "--output_dir", str(ft), *extra)  # fmt: skip
+                metrics = json.loads((ft / "metrics.json").read_text())
+                entry = {"task": "alpaca", "method": method, "lora": lora, "pretrained_with": pretrained_with,
+                         "seed": 0, "steps": metrics["steps"], "heldout_loss": metrics["heldout_loss"],
+                         "heldout_loss_before": metrics["heldout_loss_before"]}  # fmt: skip
+                for when, model in (("before", base), ("after", ft)):
+                    lam = out / "runs" / f"{name}_lambada_{when}"
+                    if not (lam / "metrics.json").is_file():
+                        model_args = (
+                            ["--model_name_or_path", str(base), "--adapter_path", str(ft)]
+                            if lora and when == "after"
+                            else ["--model_name_or_path", str(model)]
+                        )  # noqa: E501
+                        launch("lambada_eval.py", *model_args, "--dataset_path", args.lambada_path,
+                               "--limit", str(args.lambada_docs), "--output_dir", str(lam))  # fmt: skip
+                    scores = json.loads((lam / "metrics.json").read_text())
+                    entry[f"lambada_acc_{when}"], entry[f"lambada_ppl_{when}"] = (
+                        scores["lambada_acc"],
+                        scores["lambada_ppl"],
+                    )
+                entries.append(entry)
+    return entries
+
+
 def summarise(runs: list[dict]) -> tuple[str, dict]:
     by_method: dict[str, list[dict]] = {}
     for r in runs:
@@ -114,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval_steps", type=int, default=20)
     parser.add_argument("--accelerate_config", default=str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"))
     parser.add_argument("--output_dir", default=str(ROOT / "recipes" / "results" / "convergence"))
+    parser.add_argument("--chain", action="store_true", help="then fine-tune on Alpaca and evaluate LAMBADA")
+    parser.add_argument("--alpaca_path", default=str(ROOT.parent / "shared/data/alpaca/alpaca_data_random5000.json"))
+    parser.add_argument("--alpaca_steps", type=int, default=100)
+    parser.add_argument("--lambada_path", default=str(ROOT.parent / "shared/data/lambada/lambada_openai_test.jsonl"))
+    parser.add_argument("--lambada_docs", type=int, default=500)
     parser.add_argument("extra", nargs="*", help="more pretrain_clm.py arguments (after --)")
     args = parser.parse_args(argv)
     runs = [run(m, s, args) for m in args.methods for s in args.seeds]
@@ -123,6 +173,16 @@ def main(argv: list[str] | None = None) -> None:
     keep = ("method", "seed", "steps", "tokens", "final_val_loss", "final_val_ppl", "val_losses", "eval_steps",
             "warmup_steps", "lambada_acc", "lambada_ppl", "lambada_docs")  # fmt: skip
     payload = {"runs": [{k: r[k] for k in keep if k in r} for r in runs], "summary": summary}
+    if args.chain:
+        alpaca = chain(args)
+        payload["runs"] += alpaca
+        table += "\n| Alpaca fine-tune | pre-trained with | held-out loss | LAMBADA acc before -> after |\n"
+        table += "|---|---|---|---|\n"
+        for e in alpaca:
+            cells = [e["method"] + (" LoRA" if e["lora"] else ""), e["pretrained_with"],
+                     f"{e['heldout_loss_before']:.4f} -> {e['heldout_loss']:.4f}",
+                     f"{e['lambada_acc_before']:.4f} -> {e['lambada_acc_after']:.4f}"]  # fmt: skip
+            table += "| " + " | ".join(cells) + " |\n"
     (out / "convergence.json").write_text(json.dumps(payload, indent=2))
     (out / "table.md").write_text(table)
     plot(runs, out / "val_loss.png")
