@@ -52,9 +52,9 @@ def launch(recipe: str, args: argparse.Namespace, *recipe_args: str) -> None:
 
 
 def chain(args: argparse.Namespace) -> list[dict]:
-    """Pre-trained (seed 0) -> Alpaca fine-tune, full and LoRA, with acco and ddp -> LAMBADA before and after."""
+    """Pre-trained (seed 0, --chain_from) -> Alpaca fine-tune, full and LoRA, acco and ddp -> LAMBADA before/after."""
     out, entries = Path(args.output_dir), []
-    for pretrained_with in ("ddp", "acco"):
+    for pretrained_with in args.chain_from:
         base = out / "runs" / f"{pretrained_with}_seed0"
         for lora in (False, True):
             for method in ("ddp", "acco"):
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chain", action="store_true", help="then fine-tune on Alpaca and evaluate LAMBADA")
     parser.add_argument("--alpaca_path", default=str(ROOT.parent / "shared/data/alpaca/alpaca_data_random5000.json"))
     parser.add_argument("--alpaca_steps", type=int, default=100)
+    parser.add_argument("--chain_from", nargs="+", default=["acco"], help="pre-trained models to fine-tune (methods)")
     parser.add_argument("--lambada_path", default=str(ROOT.parent / "shared/data/lambada/lambada_openai_test.jsonl"))
     parser.add_argument("--lambada_docs", type=int, default=500)
     parser.add_argument("extra", nargs="*", help="more pretrain_clm.py arguments (after --)")
