@@ -62,10 +62,11 @@ def chain(args: argparse.Namespace) -> list[dict]:
                 ft = out / "runs" / name
                 if not (ft / "metrics.json").is_file():
                     extra = ["--use_lora", "--lora_target_modules", "query_key_value"] if lora else []
-                    launch("alpaca_finetune.py", "--model_name_or_path", str(base), "--dataset_path", args.alpaca_path,
-                           "--method", method, "--max_length", "128", "--heldout", "100", "--max_steps",
-                           str(args.alpaca_steps), "--learning_rate", "1e-3", "--warmup_steps", "10",
-                           "--per_device_train_batch_size", "4", "--output_dir", str(ft), *extra)  # fmt: skip
+                    launch("alpaca_finetune.py", args, "--model_name_or_path", str(base),
+                           "--dataset_path", args.alpaca_path, "--method", method, "--max_length", "128",
+                           "--heldout", "100", "--max_steps", str(args.alpaca_steps), "--learning_rate", "1e-3",
+                           "--warmup_steps", "10", "--per_device_train_batch_size", "4", "--output_dir", str(ft),
+                           *extra)  # fmt: skip
                 metrics = json.loads((ft / "metrics.json").read_text())
                 entry = {"task": "alpaca", "method": method, "lora": lora, "pretrained_with": pretrained_with,
                          "seed": 0, "steps": metrics["steps"], "heldout_loss": metrics["heldout_loss"],
@@ -78,7 +79,7 @@ def chain(args: argparse.Namespace) -> list[dict]:
                             if lora and when == "after"
                             else ["--model_name_or_path", str(model)]
                         )  # noqa: E501
-                        launch("lambada_eval.py", *model_args, "--dataset_path", args.lambada_path,
+                        launch("lambada_eval.py", args, *model_args, "--dataset_path", args.lambada_path,
                                "--limit", str(args.lambada_docs), "--output_dir", str(lam))  # fmt: skip
                     scores = json.loads((lam / "metrics.json").read_text())
                     entry[f"lambada_acc_{when}"], entry[f"lambada_ppl_{when}"] = (

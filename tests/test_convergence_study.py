@@ -38,6 +38,44 @@ def test_summary_numbers_on_synthetic_runs() -> None:
     assert f"{math.exp((3.03 + 3.2) / 2):.1f}" in table and "+0.50 %" in table
 
 
+def test_chain_orchestration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain's runs and their order, with a stand-in launcher that writes what each recipe would."""
+    calls = []
+
+    def fake_launch(recipe: str, args, *recipe_args: str) -> None:
+        calls.append((recipe, recipe_args))
+        out = Path(recipe_args[recipe_args.index("--output_dir") + 1])
+        out.mkdir(parents=True)
+        if recipe == "alpaca_finetune.py":
+            metrics = {"steps": 5, "heldout_loss": 2.0, "heldout_loss_before": 3.0}
+        else:
+            metrics = {"lambada_acc": 0.1 if "--adapter_path" in recipe_args else 0.0, "lambada_ppl": 50.0}
+        (out / "metrics.json").write_text(json.dumps(metrics))
+
+    monkeypatch.setattr(convergence_study, "launch", fake_launch)
+    args = convergence_study.argparse.Namespace(
+        output_dir=str(tmp_path),
+        chain_from=["acco"],
+        alpaca_path="a.json",
+        alpaca_steps=5,
+        lambada_path="l.jsonl",
+        lambada_docs=10,
+        accelerate_config="c.yaml",
+    )
+    entries = convergence_study.chain(args)
+    assert [(e["method"], e["lora"]) for e in entries] == [
+        ("ddp", False),
+        ("acco", False),
+        ("ddp", True),
+        ("acco", True),
+    ]
+    assert all(e["task"] == "alpaca" and e["heldout_loss"] == 2.0 for e in entries)
+    assert [c[0] for c in calls].count("alpaca_finetune.py") == 4 and len(calls) == 12
+    lora_after = [c for c in calls if c[0] == "lambada_eval.py" and "--adapter_path" in c[1]]
+    assert len(lora_after) == 2 and entries[3]["lambada_acc_after"] == 0.1
+    assert convergence_study.chain(args) == entries and len(calls) == 12  # finished runs are not run again
+
+
 @pytest.mark.slow
 def test_short_comparison_acco_tracks_ddp(tmp_path: Path) -> None:
     """A short version of the study (1 seed, 90 steps): acco within 2 % of DDP at the end and along the way.
