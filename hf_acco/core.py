@@ -189,7 +189,12 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._boundary_pending = False
         self._param_pieces = self.layout.shard_param_pieces(self.comm.rank)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
-        self._grad_views = {id(p): v for p, v in zip(self._params, self.layout.views(self._accum))}
+        # per-parameter views of each full-size buffer, made once: the two buffers swap roles every step
+        self._views_of = {
+            id(buf): {id(p): v for p, v in zip(self._params, self.layout.views(buf))}
+            for buf in (self._accum, self._comm)
+        }
+        self._grad_views = self._views_of[id(self._accum)]
         self._runner = RoundRunner(self.device)
 
         # Schedule state.
@@ -493,7 +498,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         if self._comm is not self._accum:
             if swap:  # the round takes the sums; the main thread restarts from the (zeroed) old round buffer
                 self._comm, self._accum = self._accum, self._comm
-                self._grad_views = {id(p): v for p, v in zip(self._params, self.layout.views(self._accum))}
+                self._grad_views = self._views_of[id(self._accum)]
             else:
                 self._comm.copy_(self._accum)
         joined = 1.0 if self._joined else 0.0
