@@ -1,7 +1,6 @@
 """hf_acco: ACCO (Accumulate While You Communicate) for the Hugging Face training stack."""
 
 from .comm import Communicator, check_world_size
-from .config import ACCOConfig  # noqa: E402  (the Hugging Face glue; the modules above need only torch)
 from .core import (
     ACCOOptimizer,
     Accumulation,
@@ -11,7 +10,20 @@ from .core import (
     consolidate_state_dicts,
 )
 from .sharding import FlatLayout
-from .trainer import ACCOTrainer  # noqa: E402
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    """The Hugging Face glue (ACCOConfig, ACCOTrainer) is imported on first use: the engine needs only torch."""
+    if name == "ACCOConfig":
+        from .config import ACCOConfig
+
+        return ACCOConfig
+    if name == "ACCOTrainer":
+        from .trainer import ACCOTrainer
+
+        return ACCOTrainer
+    raise AttributeError(f"module 'hf_acco' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

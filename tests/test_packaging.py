@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,14 @@ def test_cpu_launch_config_starts_two_ranks() -> None:
     config = yaml.safe_load((ROOT / "accelerate_configs/cpu_2proc.yaml").read_text())
     assert config["distributed_type"] == "MULTI_GPU"
     assert config["num_processes"] == 2
+
+
+def test_the_engine_imports_without_the_hugging_face_stack() -> None:
+    code = (
+        "import sys, hf_acco, hf_acco.core, hf_acco.checkpoint, hf_acco.multiprocess\n"
+        "assert not {'transformers', 'accelerate', 'datasets', 'peft'} & set(sys.modules), sorted(sys.modules)\n"
+        "from hf_acco import ACCOConfig, ACCOTrainer\n"
+        "assert 'transformers' in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
