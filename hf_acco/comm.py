@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,9 +44,11 @@ class PeerFailure(RuntimeError):
 def check_world_size(expected: int, group: dist.ProcessGroup | None = None) -> None:
     """Fail with launch instructions if torch.distributed and the launcher disagree on the world size."""
     actual = dist.get_world_size(group) if dist.is_initialized() else 1
-    if actual != expected:
+    launched = int(os.environ.get("WORLD_SIZE", actual))  # what torchrun / accelerate launch started
+    if actual != expected or launched != expected:
         raise RuntimeError(
-            f"torch.distributed has {actual} ranks but the launcher (Accelerate) reports {expected} processes. "
+            f"torch.distributed has {actual} ranks and the launcher started {launched} (WORLD_SIZE), but Accelerate "
+            f"reports {expected} processes. "
             "On CPU, start 2 gloo ranks with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
             "accelerate_configs/cpu_2proc.yaml ...` (distributed_type MULTI_GPU, num_processes 2) or "
             "`torchrun --nproc_per_node 2 ...` with `Accelerator(cpu=True)`; MULTI_CPU silently starts one "

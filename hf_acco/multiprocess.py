@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -25,6 +26,9 @@ def _entry(
 ) -> None:
     try:
         torch.set_num_threads(1)
+        state = sys.modules.get("accelerate.state")
+        if state is not None:  # a launcher state the parent set up (e.g. by building TrainingArguments) is not ours
+            state.AcceleratorState._reset_state(reset_partial_state=True)
         if backend is None:  # the launcher's environment; the function (e.g. Accelerate) initialises the group
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
             os.environ.update(LOCAL_WORLD_SIZE=str(world_size))

@@ -56,7 +56,7 @@ def _world_size_message(rank: int, world_size: int) -> str:
 
 def test_launcher_and_torch_distributed_disagree() -> None:
     got = run_ranks(_world_size_message)
-    assert "torch.distributed has 2 ranks but the launcher (Accelerate) reports 1" in got[0]
+    assert "torch.distributed has 2 ranks and the launcher started 2 (WORLD_SIZE), but Accelerate reports 1" in got[0]
     assert "ACCELERATE_USE_CPU=1" in got[0]
 
 
