@@ -1,0 +1,258 @@
+"""One rank of the benchmark: every method through the same training loop, plus compute and communication alone.
+
+Started by ``python -m hf_acco.bench`` (inside the rank's network namespace) as
+``python -m hf_acco.bench.worker SPEC.json OUT.json`` with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.
+Writes this rank's raw log; ``report.py`` turns the logs of both ranks into figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_acco.bench.link import tx_bytes
+from hf_acco.comm import Communicator
+from hf_acco.core import ACCOOptimizer
+from hf_acco.sharding import FlatLayout
+
+MAX_GRAD_NORM = 1.0  # Trainer's default, applied by every method
+
+
+def load_tokens(path: str | None, seed: int = 0) -> torch.Tensor:
+    """UTF-8 bytes of real text (a byte-level LM: vocabulary 256), or generated sentences without a file."""
+    if path and Path(path).is_file():
+        text = Path(path).read_text(encoding="utf-8")
+    else:
+        rng = random.Random(seed)
+        words = ["the", "cat", "saw", "a", "dog", "and", "ran", "to", "big", "red", "house", "in", "sun", "played"]
+        text = " ".join(rng.choice(words) for _ in range(400_000))
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def build_model(spec: dict[str, Any]) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(spec["seed"])
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=spec["hidden"],
+        intermediate_size=4 * spec["hidden"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["heads"],
+        max_position_embeddings=spec["seq"],
+    )
+    return LlamaForCausalLM(config)
+
+
+def batches(tokens: torch.Tensor, spec: dict[str, Any], rank: int):
+    """This rank's stream of micro-batches: the same for every method (seeded by seed and rank)."""
+    g = torch.Generator().manual_seed(1000 * spec["seed"] + rank)
+    seq, batch = spec["seq"], spec["batch"]
+    while True:
+        starts = torch.randint(0, tokens.numel() - seq, (batch,), generator=g)
+        yield torch.stack([tokens[s : s + seq] for s in starts])
+
+
+class Slowdown:
+    """Emulates a slower device: before each micro-batch, sleep (factor - 1) x this rank's normal compute time."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor, self.seconds = factor, 0.0
+
+    def calibrate(self, t_micro: float) -> None:
+        self.seconds = max(0.0, (self.factor - 1.0) * t_micro)
+
+    def __call__(self) -> None:
+        if self.seconds > 0:
+            time.sleep(self.seconds)
+
+
+def _reset_peak_memory() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so the next peak is the next run's
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (Linux >= 4.0)
+
+
+def _peak_memory() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Traffic:
+    """Bytes this rank sent on its link device (both ranks' when they share one loopback: halved)."""
+
+    def __init__(self, device: str | None, shared: bool, world_size: int) -> None:
+        self.device, self.divide = device, (world_size if shared else 1)
+
+    def read(self) -> float | None:
+        return None if self.device is None else tx_bytes(self.device) / self.divide
+
+
+def compute_alone(model, stream, slow: Slowdown, repeats: int) -> tuple[float, float]:
+    """Median seconds of one micro-batch (forward + backward) with no communication: (normal, slowed)."""
+    normal = []
+    for i in range(repeats + 2):
+        ids = next(stream)
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if i >= 2:
+            normal.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    t_base = statistics.median(normal)
+    slow.calibrate(t_base)
+    return t_base, t_base + slow.seconds
+
+
+def comm_alone(model, traffic: Traffic, repeats: int) -> dict[str, float | None]:
+    """Median seconds and bytes sent of one ACCO/ZeRO-1 round (reduce-scatter + all-gather, both spellings) and
+    of one all-reduce (DDP) of the trainable parameters, with nothing else running."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out: dict[str, float | None] = {}
+    for name in ("all_to_all", "native", "all_reduce"):
+        comm = Communicator(reduce_scatter="native" if name == "all_reduce" else name)
+        layout = FlatLayout(params, [str(i) for i in range(len(params))], [0] * len(params), comm.world_size)
+        flat, shard = layout.new_flat("cpu"), torch.zeros(layout.shard_numel)
+        flat.normal_()
+        seconds, sent = [], []
+        for _ in range(repeats + 1):
+            dist.barrier(comm.group)
+            before, t0 = traffic.read(), time.perf_counter()
+            if name == "all_reduce":
+                comm.all_reduce(flat)
+            else:
+                comm.reduce_scatter(layout, flat, shard)
+                comm.all_gather(layout, shard, flat)
+            seconds.append(time.perf_counter() - t0)
+            after = traffic.read()
+            if before is not None and after is not None:
+                sent.append(after - before)
+        out[f"{name}_s"] = statistics.median(seconds[1:])
+        out[f"{name}_bytes"] = statistics.median(sent[1:]) if sent else None
+        dist.destroy_process_group(comm.group)
+    out["numel"] = float(sum(p.numel() for p in params))
+    return out
+
+
+def train_run(
+    run: dict[str, Any], spec: dict[str, Any], tokens: torch.Tensor, slow: Slowdown, traffic: Traffic, rank: int
+) -> dict[str, Any]:
+    """One method for ``spec['steps']`` optimizer steps; the raw timings of this rank."""
+    _reset_peak_memory()
+    model = build_model(spec)
+    k, steps, method = spec["micro_batches"], spec["steps"], run["method"]
+    stream = batches(tokens, spec, rank)
+    if method == "ddp":  # as Trainer runs it: no_sync while accumulating, all-reduce in the last backward
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0)
+    else:
+        ddp = None
+        opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation=run["accumulation"], micro_batches=k,
+                            max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0)  # fmt: skip
+    tokens_per_mb = spec["batch"] * spec["seq"]
+    records, step_ends, waits, per_step = [], [], [], []
+    dist.barrier()
+    sent0, t0 = traffic.read(), time.perf_counter()
+    in_step = 0
+    while len(step_ends) < steps:
+        ids = next(stream)
+        slow()
+        if ddp is not None:
+            in_step += 1
+            ctx = ddp.no_sync() if in_step < k else contextlib.nullcontext()
+            with ctx:
+                loss = ddp(input_ids=ids, labels=ids).loss
+                (loss / k).backward()
+            records.append((time.perf_counter() - t0, loss.item(), tokens_per_mb))
+            if in_step == k:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                step_ends.append(time.perf_counter() - t0)
+                waits.append(None)
+                per_step.append(k)
+                in_step = 0
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            records.append((time.perf_counter() - t0, loss.item(), tokens_per_mb))
+            opt.after_backward()
+            if opt.ready_to_step():
+                opt.step()
+                step_ends.append(time.perf_counter() - t0)
+                waits.append(opt.last_step_stats["wait_s"])
+                per_step.append(int(opt.last_step_stats["micro_batches"]))
+    if ddp is None:
+        opt.finalize()  # dynamic mode: ranks meet; the model holds the committed parameters
+        opt.close()
+        dist.destroy_process_group(opt.comm.group)
+    dist.barrier()
+    sent1 = traffic.read()
+    log = {
+        **run,
+        "step_ends": step_ends,
+        "waits": waits,
+        "micro_batches": per_step,
+        "records": records,
+        "tx_bytes": None if sent0 is None else sent1 - sent0,
+        "peak_mem_bytes": _peak_memory(),
+        "buffer_bytes": 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    del model, opt, ddp
+    return log
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec.get("threads", 1))
+    timeout = datetime.timedelta(seconds=spec.get("timeout_s", 600))
+    dist.init_process_group("gloo", timeout=timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    slow = Slowdown(spec["slow_factor"] if rank == spec.get("slow_rank", 1) else 1.0)
+    devices = spec.get("devices") or [None] * world_size
+    traffic = Traffic(devices[rank], spec.get("shared_device", False), world_size)
+    tokens = load_tokens(spec.get("text_path"), spec["seed"])
+    say = (lambda msg: print(f"[bench {spec['label']}] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
+
+    model = build_model(spec)
+    t_base, t_micro = compute_alone(model, batches(tokens, spec, rank), slow, spec.get("calibration_repeats", 6))
+    dist.barrier()
+    comm = comm_alone(model, traffic, spec.get("calibration_repeats", 6) // 2)
+    del model
+    say(f"compute alone {t_micro * spec['micro_batches']:.3f} s/step; round alone {comm['all_to_all_s']:.3f} s")
+    runs = []
+    for i, run in enumerate(spec["runs"]):
+        log = train_run(run, spec, tokens, slow, traffic, rank)
+        log["t_micro"] = t_micro
+        runs.append(log)
+        ends = log["step_ends"]
+        step = statistics.median([b - a for a, b in zip(ends[2:], ends[3:])] or [float("nan")])
+        say(f"{i + 1}/{len(spec['runs'])} {run['method']} {run['accumulation']} (repeat {run['repeat']}): "
+            f"{step:.3f} s/step, loss {statistics.mean(r[1] for r in log['records'][-8:]):.3f}")  # fmt: skip
+    out = {"rank": rank, "t_base": t_base, "t_micro": t_micro, "comm": comm, "runs": runs}
+    Path(out_path).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,200 @@
+"""The benchmark's statistics and report on synthetic timings (fast), and the whole command on loopback."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_acco.bench import link, report
+from hf_acco.bench.__main__ import summarise_setting
+
+
+def rank_log(method, *, step=0.5, steps=6, k=4, t_micro=0.1, wait=0.05, loss0=5.0, tx=None, mem=100, acc="fixed"):
+    """A rank's log: steps every `step` s, k micro-batches per step spread over it, loss falling by 0.1 each."""
+    ends = [step * (i + 1) for i in range(steps)]
+    records = [(step * i + step * (j + 1) / k, loss0 - 0.1 * (i * k + j), 10) for i in range(steps) for j in range(k)]
+    return {
+        "method": method,
+        "accumulation": acc,
+        "step_ends": ends,
+        "waits": [None if method == "ddp" else wait] * steps,
+        "micro_batches": [k] * steps,
+        "records": records,
+        "tx_bytes": tx,
+        "peak_mem_bytes": mem,
+        "t_micro": t_micro,
+    }
+
+
+def test_basic_statistics():
+    assert report.step_intervals([1.0, 2.0, 2.5, 3.5, 4.0], skip=2) == [1.0, 0.5]
+    assert report.overlap_efficiency(t_compute=1.0, t_comm=0.5, t_step=1.0) == 1.0  # all hidden
+    assert report.overlap_efficiency(t_compute=1.0, t_comm=0.5, t_step=1.5) == 0.0  # none hidden
+    assert report.overlap_efficiency(t_compute=1.0, t_comm=0.5, t_step=1.25) == 0.5
+    assert report.overlap_efficiency(1.0, 0.0, 1.0) is None
+
+
+def test_merged_loss_curve_and_time_to_target():
+    rank0 = [(0.1, 4.0, 10), (0.3, 2.0, 10)]
+    rank1 = [(0.2, 3.0, 20), (0.4, 1.0, 20)]
+    curve = report.merged_loss_curve([rank0, rank1], window=2)
+    assert curve == [(0.2, 30, 3.5), (0.3, 40, 2.5), (0.4, 60, 1.5)]
+    assert report.time_to_target(curve, 2.5) == (0.3, 40)
+    assert report.time_to_target(curve, 1.0) is None
+    assert report.loss_at_fraction(curve, 0.75) == 1.5  # first point with >= 45 tokens
+    assert report.loss_at_fraction(curve, 0.5) == 3.5
+    with pytest.raises(ValueError, match="window"):
+        report.merged_loss_curve([rank0], window=0)
+
+
+def test_summarise_run_on_synthetic_timings():
+    # two ranks, rank 1 slowed (t_micro 0.2): compute per step is the slow rank's 4 x 0.2 = 0.8 s
+    ranks = [rank_log("acco", step=1.0, tx=6e6, t_micro=0.1), rank_log("acco", step=1.0, tx=6e6, t_micro=0.2)]
+    s = report.summarise_run(ranks, t_comm=0.6, link_mbit=80.0, window=4)
+    assert s["steps"] == 6
+    assert s["step_time_s"] == pytest.approx(1.0)
+    assert s["t_compute_s"] == pytest.approx(0.8)
+    assert s["exposed_comm_s"] == pytest.approx(0.05)
+    assert s["overlap_efficiency"] == pytest.approx((0.8 + 0.6 - 1.0) / 0.6)
+    assert s["bytes_per_step"] == pytest.approx(1e6)
+    assert s["t_wire_s"] == pytest.approx(1e6 * 8 / 80e6)
+    assert s["limit_s"] == pytest.approx(0.8)  # max(compute, wire)
+    # tokens after the end of the warm-up steps (t > 2.0 s) over the time from there to the last step (4 s)
+    assert s["tokens_per_s"] == pytest.approx(2 * 4 * 4 * 10 / 4.0)
+    assert s["tokens"] == 2 * 6 * 4 * 10
+    assert s["peak_mem_bytes"] == 100
+    assert s["loss_curve"][0] == (pytest.approx(0.5), 40, pytest.approx(4.95))  # both ranks' first 2 micro-batches
+
+
+def test_ddp_exposed_communication_is_what_compute_does_not_explain():
+    ranks = [rank_log("ddp", step=0.7, t_micro=0.1)] * 2
+    s = report.summarise_run(ranks, t_comm=0.5, link_mbit=None, window=4)
+    assert s["exposed_comm_s"] == pytest.approx(0.3)
+    assert s["t_wire_s"] is None and s["limit_s"] == pytest.approx(0.4) and s["bytes_per_step"] is None
+
+
+def test_combine_repeats_medians_and_a_missed_target():
+    fast = report.summarise_run([rank_log("sync", step=0.5)] * 2, t_comm=0.2, link_mbit=None, window=2)
+    slow = report.summarise_run([rank_log("sync", step=1.5)] * 2, t_comm=0.2, link_mbit=None, window=2)
+    never = report.summarise_run([rank_log("sync", step=1.0, loss0=50)] * 2, t_comm=0.2, link_mbit=None, window=2)
+    target = 4.01
+    out = report.combine_repeats([fast, slow, never], target)
+    assert out["repeats"] == 3
+    assert out["step_time_s"] == pytest.approx(1.0)  # median of 0.5, 1.5, 1.0
+    assert out["step_time_s_all"] == pytest.approx([0.5, 1.5, 1.0])
+    # both ranks' 11th micro-batch (loss 4.0) ends 2.75 steps in
+    assert report.time_to_target(fast["loss_curve"], target)[0] == pytest.approx(0.5 * 2.75)
+    assert out["time_to_target_s"] == pytest.approx(1.5 * 2.75)  # median of (fast, slow, never = inf)
+    assert out["reached_target"] == "2/3"
+    assert report.combine_repeats([never], target)["time_to_target_s"] is None
+
+
+def test_default_target_is_ddp_after_three_quarters():
+    ddp = report.summarise_run([rank_log("ddp")] * 2, t_comm=0.2, link_mbit=None, window=1)
+    curve = ddp["loss_curve"]
+    assert report.default_target([ddp]) == next(c[2] for c in curve if c[1] >= 0.75 * curve[-1][1])
+
+
+def test_summarise_setting_and_table():
+    def logs(step_of):
+        return [
+            {
+                "comm": {"all_to_all_s": 0.3, "all_reduce_s": 0.25, "all_to_all_bytes": 1.0},
+                "runs": [
+                    {**rank_log(m, step=step_of[m], acc=a, t_micro=0.25), "repeat": 0, "k": 4}
+                    for m, a in (("acco", "fixed"), ("sync", "fixed"), ("ddp", "fixed"))
+                ],
+            }
+        ] * 2
+
+    setting = {"setting": "ratio0.5", "link_mbit": 100.0, "comm_over_compute": 0.5, "slow_factor": 1.0}
+    runs = summarise_setting(logs({"acco": 1.05, "sync": 1.5, "ddp": 1.4}), setting, None)
+    by = {r["method"]: r for r in runs}
+    assert by["acco"]["t_comm_s"] == pytest.approx(0.6)  # two rounds per step
+    assert by["sync"]["t_comm_s"] == pytest.approx(0.3) and by["ddp"]["t_comm_s"] == pytest.approx(0.25)
+    assert by["acco"]["overlap_efficiency"] == pytest.approx((1.0 + 0.6 - 1.05) / 0.6)
+    assert by["acco"]["target_loss"] == report.default_target([report.summarise_run(
+        [rank_log("ddp", step=1.4, t_micro=0.25)] * 2, t_comm=0.25, link_mbit=100.0, window=16)])  # fmt: skip
+    assert by["acco"]["comm_over_compute_measured"] == pytest.approx(0.3 / 1.0)
+    table = report.markdown_table(runs)
+    acco_row = next(line for line in table.splitlines() if "| acco |" in line)
+    cells = [c.strip() for c in acco_row.strip("|").split("|")]
+    assert cells[4:7] == ["1.050", "0.70", "0.75"]  # step, / sync, / DDP
+    assert cells[0] == "100" and cells[3] == "acco"
+
+
+def test_tbf_arguments_and_missing_privileges(monkeypatch):
+    args = link.tbf_args(100.0)
+    assert args[:3] == ["tbf", "rate", "100.000mbit"]
+    assert int(args[4]) == 64 * 1024  # 4 ms at 100 Mbit/s is 50 kB: the 64 KiB floor
+    assert int(link.tbf_args(1000.0)[4]) == 500_000
+    monkeypatch.setattr(link.os, "geteuid", lambda: 1000)
+    assert "root" in link.unavailable()
+    with pytest.raises(RuntimeError, match="root"):
+        link.Link().__enter__()
+
+
+def test_the_benchmark_command_on_host_loopback(tmp_path):
+    """The whole command, small: 2 real ranks, every method, on unshaped host loopback (no namespaces)."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "hf_acco.bench", "--no_netns", "--repeats", "1", "--steps", "4", "--hidden", "32",
+           "--layers", "1", "--heads", "1", "--seq", "32", "--batch", "2", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "no shaped link (--no_netns given)" in done.stdout
+    payload = json.loads((out / "benchmark.json").read_text())
+    assert {(r["method"], r["accumulation"]) for r in payload["runs"]} == {
+        ("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")}  # fmt: skip
+    required = ("method", "accumulation", "link_mbit", "slow_factor", "step_time_s", "t_compute_s", "t_comm_s",
+                "exposed_comm_s", "overlap_efficiency", "tokens_per_s", "time_to_target_s",
+                "peak_mem_bytes")  # fmt: skip
+    for r in payload["runs"]:
+        assert all(k in r for k in required)
+        assert r["link_mbit"] is None and r["steps"] == 4 and r["step_time_s"] > 0 and math.isfinite(r["t_comm_s"])
+    assert (out / "table.md").read_text().count("| loopback |") == 5
+    assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "step_time_vs_link.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
+def test_shaped_link_limits_the_rate_and_is_removed():
+    """A veth pair shaped at 40 Mbit/s carries about 40 Mbit/s; the namespaces are gone afterwards."""
+    with link.Link(prefix="hfaccotest") as ln:
+        ln.shape(40)
+        server = subprocess.Popen(ln.wrap(1, [sys.executable, "-c", _SINK]), stdout=subprocess.PIPE, text=True)
+        try:
+            code = _SOURCE.format(addr="10.213.7.2")
+            sent = subprocess.run(ln.wrap(0, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=60)
+            assert sent.returncode == 0, sent.stderr
+            mbit = float(sent.stdout)
+        finally:
+            server.kill()
+    assert 30 < mbit < 44
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "hfaccotest" not in names
+
+
+_SINK = """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 29700)); s.listen()
+c, _ = s.accept()
+while c.recv(1 << 20):
+    pass
+"""
+_SOURCE = """
+import socket, time
+for _ in range(50):
+    try:
+        s = socket.create_connection(("{addr}", 29700)); break
+    except OSError:
+        time.sleep(0.1)
+data = b"x" * (1 << 20)
+t0 = time.perf_counter()
+for _ in range(10):
+    s.sendall(data)
+s.shutdown(socket.SHUT_WR); s.recv(1)
+print(10 * 8 * (1 << 20) / (time.perf_counter() - t0) / 1e6)
+"""
