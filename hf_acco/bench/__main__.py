@@ -182,6 +182,10 @@ def plot(runs: list[dict], path_loss: Path, path_steps: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401  (the plots; checked first, not after minutes of measuring)
+    except ImportError:
+        sys.exit("the benchmark plots with matplotlib: pip install 'hf_acco[bench]' (or matplotlib)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     why_not = "--no_netns given" if args.no_netns else unavailable()

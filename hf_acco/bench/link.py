@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -73,6 +74,7 @@ class Link:
         why = unavailable()
         if why is not None:
             raise RuntimeError(why)
+        remove_stale()
         atexit.register(self.close)
         previous = signal.getsignal(signal.SIGTERM)
 
@@ -122,6 +124,19 @@ class Link:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces left by a benchmark that was killed (SIGKILL skips clean-up): ``hfacco<pid>...`` whose
+    process is gone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    removed = []
+    for name in listed:
+        match = re.fullmatch(r"hfacco(\d+)(r0|r1|lo)", name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            removed.append(name)
+    return removed
 
 
 def tx_bytes(device: str) -> int:
