@@ -7,7 +7,7 @@ Each run is `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml r
 same data, data order and initialisation for a given seed; a finished run (its metrics.json) is not run again.
 Writes convergence.json (a list `runs`), table.md (final validation loss and perplexity per method: mean and
 spread over seeds, gap to DDP, the largest gap at any evaluation after the first 10 % of training, LAMBADA)
-and plots of validation loss per step and per token.
+and loss_curves.png: training and validation loss per step and per token (mean and range over seeds).
 """
 
 from __future__ import annotations
@@ -130,23 +130,41 @@ def summarise(runs: list[dict]) -> tuple[str, dict]:
 
 
 def plot(runs: list[dict], path: Path) -> None:
+    """Train (top) and validation (bottom) loss per step (left) and per token (right): each method's mean over
+    its seeds, with the seeds' range shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_token) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    by_method: dict[str, list[dict]] = {}
     for r in runs:
-        label = f"{r['method']} s{r['seed']}"
-        tokens_per_step = r["tokens"] / max(r["steps"], 1)
-        by_step.plot(r["eval_steps"], r["val_losses"], label=label)
-        by_token.plot([s * tokens_per_step for s in r["eval_steps"]], r["val_losses"], label=label)
-    by_step.set_xlabel("optimizer step")
-    by_token.set_xlabel("tokens")
-    for ax in (by_step, by_token):
-        ax.set_ylabel("validation loss")
-        ax.set_yscale("log")
-    by_step.legend(fontsize=7)
+        by_method.setdefault(r["method"], []).append(r)
+    for method, rs in by_method.items():
+        tokens_per_step = rs[0]["tokens"] / max(rs[0]["steps"], 1)
+        for row, (xs_of, ys_of) in enumerate(
+            (
+                (lambda r: [s for s, _ in r["train_losses"]], lambda r: [v for _, v in r["train_losses"]]),
+                (lambda r: r["eval_steps"], lambda r: r["val_losses"]),
+            )
+        ):
+            n = min(len(xs_of(r)) for r in rs)
+            steps = xs_of(rs[0])[:n]
+            ys = [ys_of(r)[:n] for r in rs]
+            mean = [statistics.mean(v) for v in zip(*ys)]
+            lo, hi = [min(v) for v in zip(*ys)], [max(v) for v in zip(*ys)]
+            label = f"{method} ({len(rs)} seed{'s' if len(rs) > 1 else ''})"
+            for col, xs in enumerate((steps, [s * tokens_per_step for s in steps])):
+                (line,) = axes[row][col].plot(xs, mean, label=label)
+                axes[row][col].fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
+    for row, what in enumerate(("training loss", "validation loss")):
+        for col, xlabel in enumerate(("optimizer step", "tokens")):
+            ax = axes[row][col]
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(what)
+            ax.set_yscale("log")
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -181,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     table, summary = summarise(runs)
     keep = ("method", "seed", "steps", "tokens", "final_val_loss", "final_val_ppl", "val_losses", "eval_steps",
+            "train_losses",
             "warmup_steps", "lambada_acc", "lambada_ppl", "lambada_docs")  # fmt: skip
     payload = {"runs": [{k: r[k] for k in keep if k in r} for r in runs], "summary": summary}
     if args.chain:
@@ -198,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             table += "| " + " | ".join(cells) + " |\n"
     (out / "convergence.json").write_text(json.dumps(payload, indent=2))
     (out / "table.md").write_text(table)
-    plot(runs, out / "val_loss.png")
+    plot(runs, out / "loss_curves.png")
     print(table)
 
 
