@@ -11,6 +11,8 @@ Definitions (per method and setting; times in seconds, per optimizer step unless
 - ``overlap_efficiency``: ``(t_compute + t_comm - step_time) / t_comm``; 1 hides all communication, 0 none.
 - ``limit_s``: the physical limit ``max(t_compute, t_wire)``, ``t_wire`` = bytes each rank sends per step over
   the link rate (``t_compute`` alone when the link is not shaped).
+- ``peak_mem_bytes``: peak resident memory of the process during the run (the peak is reset before each run);
+  ``run_mem_bytes``: that peak minus what the process held just before the run.
 - ``time_to_target_s``: first time the training loss, averaged over a sliding window of the latest micro-batches
   of all ranks, is at or below the target; ``None`` when never.
 """
@@ -95,6 +97,7 @@ def summarise_run(
     """
     r0 = run[0]
     steps = len(r0["step_ends"])
+    peaks, before = [r["peak_mem_bytes"] for r in run], [r.get("resident_before_bytes", 0) for r in run]
     t_step = median_or_none(step_intervals(r0["step_ends"]))
     # compute per step: the slowest rank's micro-batches at its compute-alone speed
     per_rank_compute = [
@@ -131,7 +134,9 @@ def summarise_run(
         "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
         "duration_s": duration,
         "micro_batches_per_step": [statistics.mean(r["micro_batches"]) for r in run],
-        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in run),
+        "peak_mem_bytes": None if None in peaks else max(peaks),
+        # what the run itself added at its peak, over what the process held before it (fewer leftovers)
+        "run_mem_bytes": None if None in peaks + before else max(p - b for p, b in zip(peaks, before)),
         "loss_curve": merged_loss_curve([r["records"] for r in run], window),
     }
 
@@ -153,7 +158,7 @@ def combine_repeats(summaries: Sequence[dict[str, Any]], target: float | None) -
         "steps": first["steps"],
     }
     for key in ("step_time_s", "t_compute_s", "t_comm_s", "exposed_comm_s", "overlap_efficiency", "t_wire_s",
-                "limit_s", "bytes_per_step", "tokens_per_s", "peak_mem_bytes"):  # fmt: skip
+                "limit_s", "bytes_per_step", "tokens_per_s", "peak_mem_bytes", "run_mem_bytes"):  # fmt: skip
         out[key] = med(key)
     out["step_time_s_all"] = [s["step_time_s"] for s in summaries]
     out["target_loss"] = target
@@ -178,11 +183,18 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return format(x, spec)
 
 
+def _memory(r: dict[str, Any]) -> str:
+    if r["peak_mem_bytes"] is None:
+        return "-"
+    run = "" if r.get("run_mem_bytes") is None else f" ({r['run_mem_bytes'] / 2**20:.0f})"
+    return f"{r['peak_mem_bytes'] / 2**20:.0f}{run}"
+
+
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     """One row per method and setting, with its ratios to sync and to Trainer-DDP of the same setting."""
     header = (
         "| link (Mbit/s) | comm/compute | slow | method | step (s) | / sync | / DDP | limit (s) | T_compute (s) | "
-        "T_comm (s) | exposed (s) | overlap eff. | tokens/s | MB/step | time to target (s) | / DDP | peak MB |\n"
+        "T_comm (s) | exposed (s) | overlap eff. | tokens/s | MB/step | time to target (s) | / DDP | peak MB (run) |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [header]
@@ -204,6 +216,6 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
                  _fmt(r["overlap_efficiency"], ".2f"), _fmt(r["tokens_per_s"], ".0f"),
                  _fmt(None if r["bytes_per_step"] is None else r["bytes_per_step"] / 1e6, ".1f"),
                  _fmt(r["time_to_target_s"], ".1f"), ratio(ddp, "time_to_target_s"),
-                 _fmt(None if r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / 2**20, ".0f")]  # fmt: skip
+                 _memory(r)]  # fmt: skip
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"

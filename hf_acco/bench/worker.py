@@ -88,10 +88,11 @@ def _reset_peak_memory() -> None:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (Linux >= 4.0)
 
 
-def _peak_memory() -> int | None:
+def _memory(field: str = "VmHWM") -> int | None:
+    """Peak (VmHWM) or current (VmRSS) resident memory of this process, in bytes."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -158,6 +159,7 @@ def train_run(
 ) -> dict[str, Any]:
     """One method for ``spec['steps']`` optimizer steps; the raw timings of this rank."""
     _reset_peak_memory()
+    resident_before = _memory("VmRSS")
     model = build_model(spec)
     k, steps, method = spec["micro_batches"], spec["steps"], run["method"]
     stream = batches(tokens, spec, rank)
@@ -214,7 +216,8 @@ def train_run(
         "micro_batches": per_step,
         "records": records,
         "tx_bytes": None if sent0 is None else sent1 - sent0,
-        "peak_mem_bytes": _peak_memory(),
+        "peak_mem_bytes": _memory("VmHWM"),
+        "resident_before_bytes": resident_before,
         "buffer_bytes": 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
     del model, opt, ddp
