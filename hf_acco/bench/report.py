@@ -183,6 +183,14 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return format(x, spec)
 
 
+def _ratio_cell(r: dict[str, Any]) -> str:
+    """Communication over compute: the setting's nominal ratio (measured alone in the run, in brackets)."""
+    nominal, measured = r.get("comm_over_compute"), r.get("comm_over_compute_measured")
+    if nominal is None:
+        return _fmt(measured, ".2f")
+    return f"{nominal:.2f}" + ("" if measured is None else f" ({measured:.2f})")
+
+
 def _memory(r: dict[str, Any]) -> str:
     if r["peak_mem_bytes"] is None:
         return "-"
@@ -193,8 +201,8 @@ def _memory(r: dict[str, Any]) -> str:
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     """One row per method and setting, with its ratios to sync and to Trainer-DDP of the same setting."""
     header = (
-        "| link (Mbit/s) | comm/compute | slow | method | step (s) | / sync | / DDP | limit (s) | T_compute (s) | "
-        "T_comm (s) | exposed (s) | overlap eff. | tokens/s | MB/step | time to target (s) | / DDP | peak MB (run) |\n"
+        "| link (Mbit/s) | comm/compute (measured) | slow | method | step (s) | / sync | / DDP | limit (s) | "
+        "T_compute (s) | T_comm (s) | exposed (s) | overlap eff. | tokens/s | MB/step | time to target (s) | / DDP | peak MB (run) |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [header]
@@ -210,7 +218,7 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
 
         name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
         link = "loopback" if r["link_mbit"] is None else f"{r['link_mbit']:.0f}"
-        cells = [link, _fmt(r.get("comm_over_compute"), ".2f"), f"{r['slow_factor']:g}x", name,
+        cells = [link, _ratio_cell(r), f"{r['slow_factor']:g}x", name,
                  _fmt(r["step_time_s"]), ratio(sync, "step_time_s"), ratio(ddp, "step_time_s"), _fmt(r["limit_s"]),
                  _fmt(r["t_compute_s"]), _fmt(r["t_comm_s"]), _fmt(r["exposed_comm_s"]),
                  _fmt(r["overlap_efficiency"], ".2f"), _fmt(r["tokens_per_s"], ".0f"),
