@@ -202,7 +202,8 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     """One row per method and setting, with its ratios to sync and to Trainer-DDP of the same setting."""
     header = (
         "| link (Mbit/s) | comm/compute (measured) | slow | method | step (s) | / sync | / DDP | limit (s) | "
-        "T_compute (s) | T_comm (s) | exposed (s) | overlap eff. | tokens/s | MB/step | time to target (s) | / DDP | peak MB (run) |\n"
+        "T_compute (s) | T_comm (s) | exposed (s) | overlap eff. | tokens/s | MB/step | time to target (s) | / DDP | "
+        "peak MB (run) |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [header]
