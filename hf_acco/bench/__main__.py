@@ -52,14 +52,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slow_ratio", type=float, default=1.0, help="communication/compute ratio of the slow setting")
     p.add_argument("--methods", nargs="+", default=[f"{m}:{a}" for m, a in METHODS],
                    choices=[f"{m}:{a}" for m, a in METHODS])  # fmt: skip
-    p.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=2, help="runs of each method per setting, interleaved")
     p.add_argument("--micro_batches", type=int, default=4, help="per rank per optimizer step (fixed mode)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="plain text to learn (generated when missing)")
