@@ -35,6 +35,7 @@ def test_basic_statistics():
     assert report.overlap_efficiency(t_compute=1.0, t_comm=0.5, t_step=1.5) == 0.0  # none hidden
     assert report.overlap_efficiency(t_compute=1.0, t_comm=0.5, t_step=1.25) == 0.5
     assert report.overlap_efficiency(1.0, 0.0, 1.0) is None
+    assert report.overlap_efficiency(1.0, 0.04, 1.0) is None  # negligible: nothing to hide
 
 
 def test_merged_loss_curve_and_time_to_target():

@@ -8,7 +8,8 @@ Definitions (per method and setting; times in seconds, per optimizer step unless
   sync and dpu, two for acco, one all-reduce of the gradients for DDP.
 - ``exposed_comm_s``: median time the main thread waited for communication in a step (ACCO's engine measures
   its wait; for DDP, whose all-reduce runs inside backward, ``step_time_s - t_compute_s``).
-- ``overlap_efficiency``: ``(t_compute + t_comm - step_time) / t_comm``; 1 hides all communication, 0 none.
+- ``overlap_efficiency``: ``(t_compute + t_comm - step_time) / t_comm``; 1 hides all communication, 0 none;
+  not given (``None``) where communication is under 5 % of compute (unshaped loopback).
 - ``limit_s``: the physical limit ``max(t_compute, t_wire)``, ``t_wire`` = bytes each rank sends per step over
   the link rate (``t_compute`` alone when the link is not shaped).
 - ``peak_mem_bytes``: peak resident memory of the process during the run (the peak is reset before each run);
@@ -37,9 +38,14 @@ def median_or_none(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+NEGLIGIBLE_COMM = 0.05  # communication under 5 % of compute: nothing worth hiding, the ratio would be noise
+
+
 def overlap_efficiency(t_compute: float, t_comm: float, t_step: float) -> float | None:
-    """(T_compute + T_comm - T_step) / T_comm: the share of the communication time that compute hid."""
-    if t_comm <= 0:
+    """(T_compute + T_comm - T_step) / T_comm: the share of the communication time that compute hid.
+
+    ``None`` when the communication is negligible (under 5 % of the compute): the ratio would divide noise."""
+    if t_comm <= NEGLIGIBLE_COMM * t_compute:
         return None
     return (t_compute + t_comm - t_step) / t_comm
 
