@@ -12,7 +12,6 @@ from accelerate.utils import str_to_bool
 from transformers import TrainingArguments
 
 from .core import validate_settings
-from .sharding import DEFAULT_BUCKET_NUMEL
 
 
 @dataclass
@@ -37,7 +36,7 @@ class ACCOConfig(TrainingArguments):
             How the reduce-scatter is spelled: `"auto"` (all-to-all on gloo, native on NCCL), `"native"`,
             `"all_to_all"`.
         acco_bucket_numel (`int`, *optional*):
-            Elements per communication bucket.
+            Elements per communication bucket (default: automatic, about 16 buckets of 256 KiB to 16 MiB).
         acco_nonfinite (`str`, *optional*, defaults to `"skip"`):
             When the averaged gradient has an inf or NaN (every rank sees the same all-reduced norm): `"skip"` the
             step everywhere (counted as `acco_skipped_steps`), or `"error"`: stop.
@@ -74,8 +73,8 @@ class ACCOConfig(TrainingArguments):
         default="auto",
         metadata={"help": "Reduce-scatter spelling.", "choices": ["auto", "native", "all_to_all"]},
     )
-    acco_bucket_numel: int = field(
-        default=DEFAULT_BUCKET_NUMEL, metadata={"help": "Elements per communication bucket."}
+    acco_bucket_numel: int | None = field(
+        default=None, metadata={"help": "Elements per communication bucket (default: about 16 buckets)."}
     )
     acco_nonfinite: str = field(
         default="skip",
@@ -105,7 +104,7 @@ class ACCOConfig(TrainingArguments):
             )
         if self.acco_nonfinite not in ("skip", "error"):
             raise ValueError(f"acco_nonfinite must be 'skip' or 'error', got {self.acco_nonfinite!r}")
-        if self.acco_bucket_numel < 1:
+        if self.acco_bucket_numel is not None and self.acco_bucket_numel < 1:
             raise ValueError(f"acco_bucket_numel must be >= 1, got {self.acco_bucket_numel}")
         if self.acco_warmup_steps < 0:
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .comm import Communicator, CompletedRound, RoundHandle, RoundRunner
 from .optim import ShardOptimizer, check_elementwise
-from .sharding import DEFAULT_BUCKET_NUMEL, FlatLayout, unshard
+from .sharding import FlatLayout, unshard
 
 STATE_FORMAT = 1
 _HPARAM_SKIP = ("params", "param_names")
@@ -106,7 +106,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         warmup_steps (`int`, defaults to 0): synchronous steps before the schedule starts.
         group (`ProcessGroup`, *optional*): ranks to train over; ``None`` is the world.
         communicator (`Communicator`, *optional*): injected collectives (tests wrap it to slow rounds down).
-        bucket_numel (`int`): elements per communication bucket.
+        bucket_numel (`int`, *optional*): elements per communication bucket; default: about 16 buckets of
+            256 KiB to 16 MiB each (several in flight keep the link busy both ways).
         allow_custom_optimizer (`bool`): accept an ``optimizer_cls`` not known to be element-wise.
         broadcast_parameters (`bool`, defaults to `True`): copy rank 0's parameters to every rank.
         auto_step (`bool`, defaults to `False`): ``after_backward`` ends the optimizer step itself when it is
@@ -132,7 +133,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         warmup_steps: int = 0,
         group: dist.ProcessGroup | None = None,
         communicator: Communicator | None = None,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        bucket_numel: int | None = None,
         allow_custom_optimizer: bool = False,
         broadcast_parameters: bool = True,
         auto_step: bool = False,

@@ -215,7 +215,7 @@ class ACCOTrainer(Trainer):
                 reduce_scatter=_setting(args, "acco_reduce_scatter", "auto"),
                 timeout=datetime.timedelta(seconds=_setting(args, "acco_comm_timeout_s", 1800.0)),
             ),
-            bucket_numel=_setting(args, "acco_bucket_numel", 1 << 20),
+            bucket_numel=_setting(args, "acco_bucket_numel", None),
             auto_step=_setting(args, "acco_accumulation", "fixed") == "dynamic",  # steps decoupled from Trainer's
             nonfinite=_setting(args, "acco_nonfinite", "skip"),
             **optimizer_kwargs,

@@ -84,3 +84,15 @@ def test_param_pieces_cover_each_parameter_once(world_size: int, bucket_numel: i
         for i, a, b in layout.shard_param_pieces(r):
             squares[i] += shard[a:b].square().sum()
     assert torch.allclose(squares, torch.stack([p.square().sum() for p in params]))
+
+
+def test_automatic_bucket_size() -> None:
+    """About 16 buckets, each between 2**16 and 2**22 elements: small models still get several in flight."""
+    from hf_acco.sharding import auto_bucket_numel
+
+    assert auto_bucket_numel(850_000) == 1 << 16  # 13 buckets
+    assert auto_bucket_numel(32_000_000) == 2_000_000  # 16 buckets
+    assert auto_bucket_numel(10**9) == 1 << 22  # 239 buckets of 16 MiB
+    assert auto_bucket_numel(100) == 1 << 16  # one bucket
+    layout = _layout([torch.zeros(850_000)], world_size=2, bucket_numel=None)
+    assert layout.num_buckets == 13 and layout.padded_numel >= 850_000
