@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from . import report
-from .link import Link, unavailable
+from .link import MTU, Link, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "text" / "tinystories_validation_head.txt"
-# bytes on the shaped veth per byte counted on loopback: TCP/IPv4 with timestamps in 1514-byte Ethernet frames
-# carries 1448 bytes of payload (loopback's 64 KiB MTU adds almost nothing); tbf counts whole frames
-FRAMING = 1514 / 1448
+# bytes on the shaped veth per byte counted on loopback: TCP/IPv4 with timestamps in 9014-byte Ethernet frames
+# (MTU 9000) carries 8948 bytes of payload (loopback's 64 KiB MTU adds almost nothing); tbf counts whole frames
+FRAMING = (MTU + 14) / (MTU - 52)
 METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")]
 
 
