@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ALPACA_LR = 1e-3
 METHODS = {  # name -> pretrain_clm.py arguments
     "ddp": ["--method", "ddp"],
     "acco": ["--method", "acco"],
@@ -56,19 +57,22 @@ def chain(args: argparse.Namespace) -> list[dict]:
     out, entries = Path(args.output_dir), []
     for pretrained_with in args.chain_from:
         base = out / "runs" / f"{pretrained_with}_seed0"
-        for lora in (False, True):
+        runs = [(False, lr) for lr in args.alpaca_lrs] + [(True, args.alpaca_lora_lr)]
+        for lora, lr in runs:
             for method in ("ddp", "acco"):
-                name = f"alpaca_{method}{'_lora' if lora else ''}_from_{pretrained_with}"
+                suffix = "" if lr == DEFAULT_ALPACA_LR else f"_lr{lr:g}"
+                name = f"alpaca_{method}{'_lora' if lora else ''}_from_{pretrained_with}{suffix}"
                 ft = out / "runs" / name
                 if not (ft / "metrics.json").is_file():
                     extra = ["--use_lora", "--lora_target_modules", "query_key_value"] if lora else []
                     launch("alpaca_finetune.py", args, "--model_name_or_path", str(base),
                            "--dataset_path", args.alpaca_path, "--method", method, "--max_length", "128",
-                           "--heldout", "100", "--max_steps", str(args.alpaca_steps), "--learning_rate", "1e-3",
+                           "--heldout", "100", "--max_steps", str(args.alpaca_steps), "--learning_rate", str(lr),
                            "--warmup_steps", "10", "--per_device_train_batch_size", "4", "--output_dir", str(ft),
                            *extra)  # fmt: skip
                 metrics = json.loads((ft / "metrics.json").read_text())
-                entry = {"task": "alpaca", "method": method, "lora": lora, "pretrained_with": pretrained_with,
+                entry = {"task": "alpaca", "method": method, "lora": lora, "learning_rate": lr,
+                         "pretrained_with": pretrained_with,
                          "seed": 0, "steps": metrics["steps"], "heldout_loss": metrics["heldout_loss"],
                          "heldout_loss_before": metrics["heldout_loss_before"]}  # fmt: skip
                 for when, model in (("before", base), ("after", ft)):
@@ -188,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chain", action="store_true", help="then fine-tune on Alpaca and evaluate LAMBADA")
     parser.add_argument("--alpaca_path", default=str(ROOT.parent / "shared/data/alpaca/alpaca_data_random5000.json"))
     parser.add_argument("--alpaca_steps", type=int, default=200)
+    parser.add_argument("--alpaca_lrs", type=float, nargs="+", default=[DEFAULT_ALPACA_LR],
+                        help="learning rates of the full fine-tunes")  # fmt: skip
+    parser.add_argument("--alpaca_lora_lr", type=float, default=DEFAULT_ALPACA_LR)
     parser.add_argument("--chain_from", nargs="+", default=["acco"], help="pre-trained models to fine-tune (methods)")
     parser.add_argument("--lambada_path", default=str(ROOT.parent / "shared/data/lambada/lambada_openai_test.jsonl"))
     parser.add_argument("--lambada_docs", type=int, default=500)
@@ -205,12 +212,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.chain:
         alpaca = chain(args)
         payload["runs"] += alpaca
-        table += "\n| Alpaca fine-tune | pre-trained with | held-out loss | gap to DDP | LAMBADA acc before -> after |"
-        table += "\n|---|---|---|---|---|\n"
-        ddp_loss = {(e["lora"], e["pretrained_with"]): e["heldout_loss"] for e in alpaca if e["method"] == "ddp"}
+        table += "\n| Alpaca fine-tune | pre-trained with | learning rate | held-out loss | gap to DDP | "
+        table += "LAMBADA acc before -> after |\n|---|---|---|---|---|---|\n"
+        key = lambda e: (e["lora"], e["pretrained_with"], e["learning_rate"])  # noqa: E731
+        ddp_loss = {key(e): e["heldout_loss"] for e in alpaca if e["method"] == "ddp"}
         for e in alpaca:
-            e["heldout_gap_to_ddp"] = e["heldout_loss"] / ddp_loss[e["lora"], e["pretrained_with"]] - 1
-            cells = [e["method"] + (" LoRA" if e["lora"] else ""), e["pretrained_with"],
+            e["heldout_gap_to_ddp"] = e["heldout_loss"] / ddp_loss[key(e)] - 1
+            cells = [e["method"] + (" LoRA" if e["lora"] else ""), e["pretrained_with"], f"{e['learning_rate']:g}",
                      f"{e['heldout_loss_before']:.4f} -> {e['heldout_loss']:.4f}",
                      f"{100 * e['heldout_gap_to_ddp']:+.2f} %",
                      f"{e['lambada_acc_before']:.4f} -> {e['lambada_acc_after']:.4f}"]  # fmt: skip

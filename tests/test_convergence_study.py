@@ -58,6 +58,8 @@ def test_chain_orchestration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         chain_from=["acco"],
         alpaca_path="a.json",
         alpaca_steps=5,
+        alpaca_lrs=[1e-3],
+        alpaca_lora_lr=1e-3,
         lambada_path="l.jsonl",
         lambada_docs=10,
         accelerate_config="c.yaml",

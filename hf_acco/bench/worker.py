@@ -237,9 +237,10 @@ def main(spec_path: str, out_path: str) -> None:
     say = (lambda msg: print(f"[bench {spec['label']}] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
 
     model = build_model(spec)
-    t_base, t_micro = compute_alone(model, batches(tokens, spec, rank), slow, spec.get("calibration_repeats", 6))
+    dist.barrier()  # both ranks compute alone at the same time, as they will while training
+    t_base, t_micro = compute_alone(model, batches(tokens, spec, rank), slow, spec.get("calibration_repeats", 10))
     dist.barrier()
-    comm = comm_alone(model, traffic, spec.get("calibration_repeats", 6) // 2)
+    comm = comm_alone(model, traffic, spec.get("calibration_repeats", 10) // 2)
     del model
     say(f"compute alone {t_micro * spec['micro_batches']:.3f} s/step; round alone {comm['all_to_all_s']:.3f} s")
     runs = []
