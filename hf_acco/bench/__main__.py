@@ -1,7 +1,7 @@
 """Benchmark: ACCO (fixed, dynamic), DPU, ZeRO-1 (sync) and DDP as Trainer runs it, side by side, on a real,
 rate-limited link between 2 ranks, with and without a slow rank.
 
-    python -m hf_acco.bench                               # the full run (about 15 min on 2 CPU cores)
+    python -m hf_acco.bench                               # the full run (about 20 min on 2 CPU cores)
     python -m hf_acco.bench --ratios 0.5 --repeats 1 --steps 10 --out outputs/bench   # a quick look
 
 Each rank runs in its own network namespace, joined by a veth pair shaped with tbf on both ends (root and
