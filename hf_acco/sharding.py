@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BUCKET_NUMEL = 1 << 20  # elements per bucket across all ranks (4 MiB of fp32)
 # Automatic bucket size: about TARGET_BUCKETS buckets, each between 256 KiB and 16 MiB of fp32. Several buckets in
 # flight keep a link busy in both directions: on a rate-limited link, one 3.4 MB bucket made gloo's reduce-scatter
 # + all-gather take 1.4x the wire time of their bytes, 13 buckets of 256 KiB took 1.0x (as one all-reduce does).
