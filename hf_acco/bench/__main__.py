@@ -210,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="hf_acco_bench_") as tmp:
         workdir = Path(tmp)
 
-        def measure(label: str, link: Link | None, mbit: float | None, ratio: float | None, slow: float) -> list:
+        def measure(
+            label: str, link: Link | None, mbit: float | None, ratio: float | None, slow: float
+        ) -> tuple[list[dict], list[dict]]:
             if link is not None:
                 link.shape(mbit)
             devices = [link.device(rank) for rank in range(2)] if link else None
