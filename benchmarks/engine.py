@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_acco import ACCOOptimizer  # noqa: E402
+from hf_acco.bench.link import tx_bytes  # noqa: E402
 from hf_acco.comm import Communicator, DelayedCommunicator  # noqa: E402
 from hf_acco.multiprocess import run_ranks  # noqa: E402
 from hf_acco.sharding import FlatLayout  # noqa: E402
@@ -148,15 +149,6 @@ def cmd_overlap(args: argparse.Namespace) -> list[dict]:
 # ---- bytes per round --------------------------------------------------------------------------------------
 
 
-def _lo_tx_bytes() -> int:
-    """Bytes sent on this network namespace's loopback (/proc/net/dev follows the caller's namespace)."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, fields = line.partition(":")
-        if name.strip() == "lo":
-            return int(fields.split()[8])
-    raise RuntimeError("no loopback interface in /proc/net/dev")
-
-
 def bytes_rank(rank: int, world_size: int, numel: int, repeats: int) -> list[dict]:
     torch.set_num_threads(1)
     params = [torch.zeros(numel)]
@@ -167,7 +159,7 @@ def bytes_rank(rank: int, world_size: int, numel: int, repeats: int) -> list[dic
         flat, shard = layout.new_flat("cpu"), torch.zeros(layout.shard_numel)
         flat.normal_()
         dist.barrier(comm.group)
-        before = _lo_tx_bytes()
+        before = tx_bytes("lo")
         t0 = time.perf_counter()
         for _ in range(repeats):
             if spelling == "all_reduce":
@@ -177,7 +169,7 @@ def bytes_rank(rank: int, world_size: int, numel: int, repeats: int) -> list[dic
                 comm.all_gather(layout, shard, flat)
         seconds = (time.perf_counter() - t0) / repeats
         dist.barrier(comm.group)
-        sent = (_lo_tx_bytes() - before) / repeats  # both ranks' traffic: every packet on lo is counted once
+        sent = (tx_bytes("lo") - before) / repeats  # both ranks' traffic: every packet on lo is counted once
         out.append({"spelling": spelling, "buffer_bytes": numel * 4, "wire_bytes_all_ranks": sent, "seconds": seconds})
     return out
 
