@@ -10,7 +10,8 @@ Each optimizer step has two halves of micro-batches, and each half overlaps one 
 The estimate round's optimizer update is a look-ahead: master weights and optimizer state stay as they are.
 The same engine runs the baselines: ``dpu`` (one-step delayed update, one round per step) and ``sync``
 (ZeRO-1 with no overlap). ``fixed`` accumulation gives each half a set number of micro-batches per rank
-(reproducible); ``dynamic`` keeps computing micro-batches until the round in flight has finished.
+(reproducible); ``dynamic`` keeps computing micro-batches until the round in flight has finished, or is
+expected to finish within half of this rank's next micro-batch (starting it would hold up the next round).
 
 Usage (a hand-written loop; ``loss`` is a mean over the micro-batch, or a sum with ``weight`` = its tokens)::
 
@@ -30,7 +31,9 @@ through post-accumulate-grad hooks, so ``p.grad`` stays ``None`` (clip with ``ma
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -209,6 +212,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._hook_calls = 0
         self._wait_s = 0.0
         self._rounds: list[RoundResult] = []
+        # dynamic mode: this rank's recent micro-batch and round durations, to foresee the end of a round
+        self._micro_batch_s: deque[float] = deque(maxlen=8)
+        self._round_s: deque[float] = deque(maxlen=4)
+        self._micro_batch_clock: float | None = None
         self.last_step_stats: dict[str, float] = {}
         self.last_commit: RoundResult | None = None  # the latest commit round waited for
         # since the start: this rank's steps, micro-batches and weight; every commit round's global micro-batches
@@ -230,12 +237,14 @@ class ACCOOptimizer(torch.optim.Optimizer):
             raise RuntimeError("The ACCO optimizer is in eval mode (committed parameters loaded): call train() first.")
         if self._half_count == 0 and not self._step_counts:  # first micro-batch of a step
             self._check_devices()
+        self._clock_micro_batch()
         self._half_count += 1
         self._half_weight += float(weight)
         if self.phase is Phase.ESTIMATE and self._half_done():
             self._boundary_estimate_to_correction()
         if self.auto_step and self.ready_to_step():
             self._end_step()
+        self._micro_batch_clock = time.perf_counter()  # the next micro-batch starts now, after any boundary
 
     def ready_to_step(self) -> bool:
         """Whether the current optimizer step has all its micro-batches (fixed) or its round finished (dynamic)."""
@@ -280,6 +289,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._boundary_pending = self._inflight_kind is RoundKind.COMMIT
         self.step_count += 1
         self._record_step(micro_batches, weight)
+        self._micro_batch_clock = time.perf_counter()
         if self._schedule_now() is Schedule.ACCO and schedule is not Schedule.ACCO:
             self.phase = Phase.ESTIMATE  # warm-up over: the estimate restarts from the committed θ
         elif self._schedule_now() is not Schedule.ACCO:
@@ -477,7 +487,22 @@ class ACCOOptimizer(torch.optim.Optimizer):
             return False
         if self.max_micro_batches is not None and self._half_count >= self.max_micro_batches:
             return True
-        return self._inflight is None or self._inflight.done()
+        return self._inflight is None or self._inflight.done() or self._round_ends_soon(self._inflight)
+
+    def _round_ends_soon(self, handle: RoundHandle) -> bool:
+        """Dynamic mode: whether the round in flight is expected to end within half of this rank's next
+        micro-batch. Then the half ends now: waiting idles this rank for less than what another micro-batch would
+        hold up the next round of every rank (by its expected overshoot past the round's end). Estimates: the
+        median of this rank's last micro-batches and rounds; none before two of each."""
+        if len(self._micro_batch_s) < 2 or len(self._round_s) < 2:
+            return False
+        left = statistics.median(self._round_s) - (time.perf_counter() - handle.launched_at)
+        return left < 0.5 * statistics.median(self._micro_batch_s)
+
+    def _clock_micro_batch(self) -> None:
+        if self._micro_batch_clock is not None:
+            self._micro_batch_s.append(time.perf_counter() - self._micro_batch_clock)
+        self._micro_batch_clock = None
 
     @torch.no_grad()
     def _boundary_estimate_to_correction(self) -> None:
@@ -531,6 +556,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
             raise
         if isinstance(result, RoundResult) and (not self._rounds or self._rounds[-1] is not result):
             self._rounds.append(result)
+            self._round_s.append(result.seconds)
             if result.kind is RoundKind.COMMIT:
                 self.last_commit = result
                 self.totals["skipped_steps"] += float(result.skipped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -264,3 +265,36 @@ def test_dynamic_ranks_with_unequal_data_finish_together(schedule: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
     assert results[0]["steps"] == results[1]["steps"]  # the same rounds on both ranks
     assert [r["local_total"] for r in results] == [20, 8]  # every micro-batch used once, none repeated
+
+
+def train_round_end_foreseen(rank: int, world_size: int, round_s: float, micro_batch_s: float, steps: int) -> dict:
+    """Dynamic mode with a slow link: micro-batches of ``micro_batch_s`` against rounds of ``round_s``."""
+    model = tiny_llama()
+    opt = ACCOOptimizer(model.parameters(), lr=1e-3, accumulation="dynamic", communicator=DelayedCommunicator(round_s))
+    halves, waits = [], []
+    while opt.step_count < steps:
+        time.sleep(micro_batch_s)  # the compute of a slower device
+        mean_loss(model, batch(rank, 0))[0].backward()
+        before = opt.phase
+        opt.after_backward()
+        if opt.phase is not before:  # the A→B boundary was crossed
+            halves.append(opt._step_counts[-1][0])
+        if opt.ready_to_step():
+            opt.step()
+            halves.append(int(opt.last_step_stats["micro_batches"]) - halves[-1])
+            waits.append(opt.last_step_stats["wait_s"])
+    opt.close()
+    return {"halves": halves, "waits": waits}
+
+
+def test_dynamic_half_ends_when_the_round_is_about_to_end() -> None:
+    """Round 0.3 s, micro-batch 0.14 s: after a micro-batch at 0.28 s the round has ~0.02 s left, less than half a
+    micro-batch, so the half ends there (2 micro-batches, a short wait) instead of overshooting the round's end by
+    0.12 s with a third. Before two rounds were timed, a half does take 3 (the very first has no round to wait
+    for: 1)."""
+    result = run_ranks(train_round_end_foreseen, round_s=0.3, micro_batch_s=0.14, steps=6, timeout=120)
+    for rank in result:
+        assert rank["halves"][:3] == [1, 3, 3], rank["halves"]
+        later = rank["halves"][3:]
+        assert sum(h == 2 for h in later) >= len(later) - 1, rank["halves"]  # one slow outlier tolerated
+        assert statistics.median(rank["waits"][2:]) < 0.1, rank["waits"]  # the rest of a round, not a micro-batch

@@ -12,6 +12,7 @@ import ctypes
 import datetime
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -99,6 +100,22 @@ def _memory(field: str = "VmHWM") -> int | None:
     return None
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process so far: every thread, gloo's included."""
+    return time.process_time()
+
+
+def _system_cpu() -> dict[str, float] | None:
+    """Seconds every core of the machine has spent per state (the first line of /proc/stat, USER_HZ ticks)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:8]
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
+    return {n: int(v) / hz for n, v in zip(names, fields)}
+
+
 class Traffic:
     """Bytes this rank sent on its link device (both ranks' when they share one loopback: halved)."""
 
@@ -109,19 +126,17 @@ class Traffic:
         return None if self.device is None else tx_bytes(self.device) / self.divide
 
 
-def compute_alone(model, stream, slow: Slowdown, repeats: int) -> tuple[float, float]:
-    """Median seconds of one micro-batch (forward + backward) with no communication: (normal, slowed)."""
-    normal = []
-    for i in range(repeats + 2):
+def compute_alone(model, stream, repeats: int, warmup: int = 2) -> list[float]:
+    """Seconds of ``repeats`` micro-batches (forward + backward) with no communication, after ``warmup``."""
+    seconds = []
+    for i in range(warmup + repeats):
         ids = next(stream)
         t0 = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
-        if i >= 2:
-            normal.append(time.perf_counter() - t0)
+        if i >= warmup:
+            seconds.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
-    t_base = statistics.median(normal)
-    slow.calibrate(t_base)
-    return t_base, t_base + slow.seconds
+    return seconds
 
 
 def comm_alone(model, traffic: Traffic, repeats: int) -> dict[str, float | None]:
@@ -134,21 +149,23 @@ def comm_alone(model, traffic: Traffic, repeats: int) -> dict[str, float | None]
         layout = FlatLayout(params, [str(i) for i in range(len(params))], [0] * len(params), comm.world_size)
         flat, shard = layout.new_flat("cpu"), torch.zeros(layout.shard_numel)
         flat.normal_()
-        seconds, sent = [], []
+        seconds, sent, cpu = [], [], []
         for _ in range(repeats + 1):
             dist.barrier(comm.group)
-            before, t0 = traffic.read(), time.perf_counter()
+            before, cpu0, t0 = traffic.read(), _cpu_seconds(), time.perf_counter()
             if name == "all_reduce":
                 comm.all_reduce(flat)
             else:
                 comm.reduce_scatter(layout, flat, shard)
                 comm.all_gather(layout, shard, flat)
             seconds.append(time.perf_counter() - t0)
+            cpu.append(_cpu_seconds() - cpu0)
             after = traffic.read()
             if before is not None and after is not None:
                 sent.append(after - before)
         out[f"{name}_s"] = statistics.median(seconds[1:])
         out[f"{name}_bytes"] = statistics.median(sent[1:]) if sent else None
+        out[f"{name}_cpu_s"] = statistics.median(cpu[1:])
         dist.destroy_process_group(comm.group)
     out["numel"] = float(sum(p.numel() for p in params))
     return out
@@ -157,10 +174,18 @@ def comm_alone(model, traffic: Traffic, repeats: int) -> dict[str, float | None]
 def train_run(
     run: dict[str, Any], spec: dict[str, Any], tokens: torch.Tensor, slow: Slowdown, traffic: Traffic, rank: int
 ) -> dict[str, Any]:
-    """One method for ``spec['steps']`` optimizer steps; the raw timings of this rank."""
+    """One method for ``spec['steps']`` optimizer steps; the raw timings of this rank.
+
+    First, compute alone again (both ranks at once, one step's micro-batches on a stream of their own): this
+    shared machine's speed drifts by several percent within minutes, so the compute time a run is compared with
+    is measured next to it, not only once per setting.
+    """
     _reset_peak_memory()
     resident_before = _memory("VmRSS")
     model = build_model(spec)
+    dist.barrier()
+    alone = compute_alone(model, batches(tokens, spec, rank + 1000), spec["micro_batches"], warmup=1)
+    _reset_peak_memory()
     k, steps, method = spec["micro_batches"], spec["steps"], run["method"]
     stream = batches(tokens, spec, rank)
     if method == "ddp":  # as Trainer runs it: no_sync while accumulating, all-reduce in the last backward
@@ -171,13 +196,14 @@ def train_run(
         opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation=run["accumulation"], micro_batches=k,
                             max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0)  # fmt: skip
     tokens_per_mb = spec["batch"] * spec["seq"]
-    records, step_ends, waits, per_step = [], [], [], []
+    records, step_ends, waits, per_step, mb_compute = [], [], [], [], []
     dist.barrier()
-    sent0, t0 = traffic.read(), time.perf_counter()
+    sent0, cpu0, stat0, t0 = traffic.read(), _cpu_seconds(), _system_cpu(), time.perf_counter()
     in_step = 0
     while len(step_ends) < steps:
         ids = next(stream)
         slow()
+        t_mb = time.perf_counter()
         if ddp is not None:
             in_step += 1
             ctx = ddp.no_sync() if in_step < k else contextlib.nullcontext()
@@ -185,6 +211,8 @@ def train_run(
                 loss = ddp(input_ids=ids, labels=ids).loss
                 (loss / k).backward()
             records.append((time.perf_counter() - t0, loss.item(), tokens_per_mb))
+            if in_step < k:  # the last backward also all-reduces: not compute alone
+                mb_compute.append(time.perf_counter() - t_mb)
             if in_step == k:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
                 opt.step()
@@ -197,6 +225,7 @@ def train_run(
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             records.append((time.perf_counter() - t0, loss.item(), tokens_per_mb))
+            mb_compute.append(time.perf_counter() - t_mb)
             opt.after_backward()
             if opt.ready_to_step():
                 opt.step()
@@ -207,6 +236,7 @@ def train_run(
         opt.finalize()  # dynamic mode: ranks meet; the model holds the committed parameters
         opt.close()
         dist.destroy_process_group(opt.comm.group)
+    cpu1, stat1, wall = _cpu_seconds(), _system_cpu(), time.perf_counter() - t0
     dist.barrier()
     sent1 = traffic.read()
     log = {
@@ -215,6 +245,11 @@ def train_run(
         "waits": waits,
         "micro_batches": per_step,
         "records": records,
+        "compute_alone_s": alone,
+        "micro_batch_compute_s": mb_compute,
+        "cpu_s": cpu1 - cpu0,
+        "wall_s": wall,
+        "system_cpu_s": {k: stat1[k] - stat0[k] for k in stat1} if stat0 and stat1 else None,
         "tx_bytes": None if sent0 is None else sent1 - sent0,
         "peak_mem_bytes": _memory("VmHWM"),
         "resident_before_bytes": resident_before,
@@ -238,21 +273,28 @@ def main(spec_path: str, out_path: str) -> None:
 
     model = build_model(spec)
     dist.barrier()  # both ranks compute alone at the same time, as they will while training
-    t_base, t_micro = compute_alone(model, batches(tokens, spec, rank), slow, spec.get("calibration_repeats", 10))
+    alone = compute_alone(model, batches(tokens, spec, rank), spec.get("calibration_repeats", 10))
+    slow.calibrate(statistics.median(alone))  # the slow rank's sleep: fixed for the whole setting
     dist.barrier()
     comm = comm_alone(model, traffic, spec.get("calibration_repeats", 10) // 2)
     del model
-    say(f"compute alone {t_micro * spec['micro_batches']:.3f} s/step; round alone {comm['all_to_all_s']:.3f} s")
+    t_step = statistics.median(alone) * spec["micro_batches"]
+    say(f"compute alone {t_step:.3f} s/step; round alone {comm['all_to_all_s']:.3f} s")
     runs = []
     for i, run in enumerate(spec["runs"]):
         log = train_run(run, spec, tokens, slow, traffic, rank)
-        log["t_micro"] = t_micro
+        alone += log["compute_alone_s"]
         runs.append(log)
         ends = log["step_ends"]
         step = statistics.median([b - a for a, b in zip(ends[2:], ends[3:])] or [float("nan")])
         say(f"{i + 1}/{len(spec['runs'])} {run['method']} {run['accumulation']} (repeat {run['repeat']}): "
             f"{step:.3f} s/step, loss {statistics.mean(r[1] for r in log['records'][-8:]):.3f}")  # fmt: skip
-    out = {"rank": rank, "t_base": t_base, "t_micro": t_micro, "comm": comm, "runs": runs}
+    # one micro-batch's compute alone (the slow rank's includes its sleep): the median of every measurement of
+    # the setting, before and between the runs
+    t_base = statistics.median(alone)
+    for log in runs:
+        log["t_micro"] = t_base + slow.seconds
+    out = {"rank": rank, "t_base": t_base, "t_micro": t_base + slow.seconds, "comm": comm, "runs": runs}
     Path(out_path).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
