@@ -168,7 +168,8 @@ class Communicator:
 
 
 class DelayedCommunicator(Communicator):
-    """A ``Communicator`` whose rounds each take ``delay_s`` longer (a sleep in the background thread).
+    """A ``Communicator`` whose rounds each take ``delay_s`` longer (sleeps in the background thread, half
+    before the reduce-scatter and half before the all-gather, as a slow link slows both).
 
     Emulates a slow link without using CPU, for overlap experiments and tests: in a fixed-mode ACCO step the
     delay hides behind compute up to the length of a half.
@@ -179,8 +180,12 @@ class DelayedCommunicator(Communicator):
         self.delay_s = delay_s
 
     def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s / 2)
         super().reduce_scatter(layout, flat, shard)
+
+    def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
+        time.sleep(self.delay_s / 2)
+        super().all_gather(layout, shard, flat)
 
 
 @dataclass

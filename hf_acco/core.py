@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -216,6 +217,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._micro_batch_s: deque[float] = deque(maxlen=8)
         self._round_s: deque[float] = deque(maxlen=4)
         self._micro_batch_clock: float | None = None
+        self._round_everyone_in = threading.Event()  # of the round in flight: every rank has launched it
         self.last_step_stats: dict[str, float] = {}
         self.last_commit: RoundResult | None = None  # the latest commit round waited for
         # since the start: this rank's steps, micro-batches and weight; every commit round's global micro-batches
@@ -493,8 +495,12 @@ class ACCOOptimizer(torch.optim.Optimizer):
         """Dynamic mode: whether the round in flight is expected to end within half of this rank's next
         micro-batch. Then the half ends now: waiting idles this rank for less than what another micro-batch would
         hold up the next round of every rank (by its expected overshoot past the round's end). Estimates: the
-        median of this rank's last micro-batches and rounds; none before two of each."""
-        if len(self._micro_batch_s) < 2 or len(self._round_s) < 2:
+        median of this rank's last micro-batches and rounds; none before two of each.
+
+        Only once every rank has joined the round (its reduce-scatter is done here): a rank must never block on a
+        round that another rank has not launched yet, since that rank may be waiting in a collective of the
+        caller's (Trainer's logging gather, a loss all-reduce) that this one would then never reach."""
+        if len(self._micro_batch_s) < 2 or len(self._round_s) < 2 or not self._round_everyone_in.is_set():
             return False
         left = statistics.median(self._round_s) - (time.perf_counter() - handle.launched_at)
         return left < 0.5 * statistics.median(self._micro_batch_s)
@@ -530,7 +536,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         joined = 1.0 if self._joined else 0.0
         counts = torch.tensor([weight, float(micro_batches), joined], dtype=torch.float64, device=self.device)
         buf, hparams = self._comm, self._hparams()  # hyper-parameters as of launch: schedulers mutate them
-        self._inflight = self._runner.launch(lambda: self._round(kind, buf, counts, hparams))
+        everyone_in = self._round_everyone_in = threading.Event()
+        self._inflight = self._runner.launch(lambda: self._round(kind, buf, counts, hparams, everyone_in))
         self._inflight_kind = kind
         if swap and self._comm is not self._accum:
             self._accum.zero_()
@@ -565,13 +572,15 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     # ---- internals: the round (background thread; touches only ``buf`` and the shard) ---------------------
 
-    def _round(self, kind: RoundKind, buf: torch.Tensor, counts: torch.Tensor, hparams: list[dict]) -> RoundResult:
+    def _round(
+        self, kind: RoundKind, buf: torch.Tensor, counts: torch.Tensor, hparams: list[dict], all_in: threading.Event
+    ) -> RoundResult:
         with self.comm.guard(f"{kind.value} round {self.step_count}"):
-            return self._round_body(kind, buf, counts, hparams)
+            return self._round_body(kind, buf, counts, hparams, all_in)
 
     @torch.no_grad()
     def _round_body(
-        self, kind: RoundKind, buf: torch.Tensor, counts: torch.Tensor, hparams: list[dict]
+        self, kind: RoundKind, buf: torch.Tensor, counts: torch.Tensor, hparams: list[dict], all_in: threading.Event
     ) -> RoundResult:
         t0 = time.perf_counter()
         layout, comm, shard = self.layout, self.comm, self.shard
@@ -580,6 +589,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums
         comm.reduce_scatter(layout, buf, shard.grad)
         count_work.wait()
+        all_in.set()  # every rank has launched this round: it can finish without their main threads
         total_weight, total_micro_batches, joined = counts.tolist()
         if total_weight <= 0 and joined == 0:
             raise ValueError(

@@ -167,7 +167,8 @@ def test_dynamic_accumulation_with_a_slow_rank(tmp_path: Path) -> None:
     assert 0 < sum(h["acco_micro_batches_rank1"] for h in logs) <= 48
     # ACCO's optimizer steps are decoupled from Trainer's 12 steps, with varying micro-batches per step
     assert logs[-1]["acco_optimizer_steps"] != 12
-    assert len({h["acco_global_micro_batches"] for h in logs}) > 1
+    # each ACCO step: at least one micro-batch per half on each of the 2 ranks (how many more depends on timing)
+    assert min(h["acco_global_micro_batches"] for h in logs) >= 4
     assert [h["step"] for h in fast["log_history"] if "eval_loss" in h] == [4, 8, 12]
     # checkpoints: every rank's shard from the same commit round, and the model files hold that θ
     checkpoint = tmp_path / "checkpoint-8"
