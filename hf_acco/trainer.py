@@ -400,3 +400,18 @@ def _ensure_process_group(device: torch.device) -> None:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def check_ddp_wrapped(trainer: Trainer) -> None:
+    """After ``train()`` of a plain Trainer baseline on several processes: it did train under DDP.
+
+    A DDP baseline whose ranks never averaged their gradients is no baseline, and nothing else says so. It happens
+    when ``trainer.evaluate()`` runs before ``trainer.train()`` (transformers 5.24 with accelerate 1.15):
+    evaluate() marks the bare model as prepared, and train() then does not wrap it.
+    """
+    if not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel):
+        raise RuntimeError(
+            f"The ddp baseline trained without DistributedDataParallel ({type(trainer.model_wrapped).__name__}): "
+            "its ranks never averaged their gradients. Do not call trainer.evaluate() before trainer.train() "
+            "(use eval_on_start), and launch with `accelerate launch` on more than one process."
+        )

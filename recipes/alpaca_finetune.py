@@ -48,6 +48,7 @@ from hf_acco.alpaca import (
     normalise,
     tokenize_example,
 )
+from hf_acco.trainer import check_ddp_wrapped
 
 # Defaults for the offline main job; anything given on the command line comes after them and wins.
 DEFAULT_TRAINING_ARGS = [
@@ -169,6 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
     tokenize = lambda r: tokenize_example(r, tokenizer, script_args.max_length)  # noqa: E731
     train_ds = Dataset.from_list([tokenize(r) for r in train])
     heldout_ds = Dataset.from_list([tokenize(r) for r in heldout])
+    # The held-out loss before training is taken by Trainer itself at the start of train() (eval_on_start), after
+    # it has wrapped the model for DDP. trainer.evaluate() before train() would leave the DDP baseline unwrapped
+    # (transformers 5.24 with accelerate 1.15: evaluate() marks the bare model as prepared, so train() skips DDP
+    # and every rank trains on its own gradients). ACCOTrainer does its own communication and is not affected.
+    fresh_start = training_args.resume_from_checkpoint is None
+    training_args.eval_on_start = fresh_start
     trainer = trainer_cls(
         model=model,
         args=training_args,
@@ -179,12 +186,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     # 4. before, train, after
     metrics: dict = {"method": script_args.method, "world_size": training_args.world_size}
-    metrics["heldout_loss_before"] = trainer.evaluate()["eval_loss"]
-    if checkable:
+    if checkable and fresh_start:
         metrics["exact_match_before"] = exact_match(trainer, tokenizer, heldout)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     metrics["train_seconds"] = time.perf_counter() - start
+    if script_args.method == "ddp" and training_args.world_size > 1:
+        check_ddp_wrapped(trainer)
+    if fresh_start:
+        metrics["heldout_loss_before"] = next(h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h)
     metrics["heldout_loss"] = trainer.evaluate()["eval_loss"]
     if checkable:
         metrics["exact_match_after"] = exact_match(trainer, tokenizer, heldout)

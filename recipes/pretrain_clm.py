@@ -37,6 +37,7 @@ from transformers import (
 
 from hf_acco import ACCOConfig, ACCOTrainer
 from hf_acco.lambada import encode_pair, load_jsonl_texts, score, split_context_target
+from hf_acco.trainer import check_ddp_wrapped
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_TRAINING_ARGS = [
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = trainer_cls(model=model, args=training_args, train_dataset=train_ds, eval_dataset=val_ds,
                           data_collator=default_data_collator)  # fmt: skip
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if script_args.method == "ddp" and training_args.world_size > 1:
+        check_ddp_wrapped(trainer)
     final = trainer.evaluate()
     # 4. metrics: validation curve, tokens seen, LAMBADA
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]

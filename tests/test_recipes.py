@@ -135,6 +135,21 @@ def test_alpaca_recipe_trains_saves_resumes_and_lambada_scores_its_output(tmp_pa
     assert scores["num_docs"] == 30 and {"lambada_acc", "lambada_ppl"} <= set(scores)
 
 
+def test_alpaca_recipe_ddp_baseline_averages_gradients_like_sync(tmp_path: Path) -> None:
+    """The baseline is real DDP: its held-out loss equals our synchronous ZeRO-1's (the same maths). Calling
+    trainer.evaluate() before train() once left Trainer's model without DDP, each rank on its own gradients."""
+    results = {}
+    for method in ("ddp", "sync"):
+        out = tmp_path / method
+        launch("alpaca_finetune.py", "--num_generated", "300", "--heldout", "20", "--max_steps", "4",
+               "--per_device_train_batch_size", "4", "--method", method, "--output_dir", str(out))  # fmt: skip
+        results[method] = json.loads((out / "metrics.json").read_text())
+    ddp, sync = results["ddp"], results["sync"]
+    assert ddp["heldout_loss_before"] == pytest.approx(sync["heldout_loss_before"], rel=1e-6)
+    assert ddp["heldout_loss"] == pytest.approx(sync["heldout_loss"], rel=1e-4)
+    assert ddp["heldout_loss"] < ddp["heldout_loss_before"]
+
+
 @pytest.mark.skipif(not (DATA / "alpaca").is_dir(), reason="../shared/data/alpaca is absent")
 def test_alpaca_recipe_lora_on_the_shipped_sample_and_the_ddp_baseline(tmp_path: Path) -> None:
     sample = str(DATA / "alpaca" / "alpaca_data_first200.json")
