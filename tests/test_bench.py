@@ -68,6 +68,17 @@ def test_summarise_run_on_synthetic_timings():
     assert s["tokens"] == 2 * 6 * 4 * 10
     assert s["peak_mem_bytes"] == 100
     assert s["loss_curve"][0] == (pytest.approx(0.5), 40, pytest.approx(4.95))  # both ranks' first 2 micro-batches
+    assert s["compute_slowdown"] is None  # no in-run compute timings in these logs
+
+
+def test_compute_slowdown_and_cpu_share():
+    ranks = [rank_log("acco", t_micro=0.1), rank_log("acco", t_micro=0.1)]
+    for r, in_run in zip(ranks, (0.11, 0.125)):
+        # the start-up steps' micro-batches (first 2 steps x 4) are left out: their 9.0 s must not count
+        r.update(t_base=0.1, micro_batch_compute_s=[9.0] * 8 + [in_run] * 16, cpu_s=3.0, wall_s=4.0)
+    s = report.summarise_run(ranks, t_comm=0.2, link_mbit=None, window=4)
+    assert s["compute_slowdown"] == pytest.approx(1.25)  # the larger of the ranks'
+    assert s["cpu_per_wall"] == [0.75, 0.75]
 
 
 def test_ddp_exposed_communication_is_what_compute_does_not_explain():

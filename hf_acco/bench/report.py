@@ -14,6 +14,10 @@ Definitions (per method and setting; times in seconds, per optimizer step unless
   the link rate (``t_compute`` alone when the link is not shaped).
 - ``peak_mem_bytes``: peak resident memory of the process during the run (the peak is reset before each run);
   ``run_mem_bytes``: that peak minus what the process held just before the run.
+- ``compute_slowdown``: a micro-batch's forward + backward while training over the same alone (median over
+  the run, the larger of the ranks'): above 1 where the run's own communication (gloo's threads, the kernel's
+  network work, the round's optimizer update) takes CPU from compute on the same cores.
+- ``cpu_per_wall``: CPU seconds of each rank's process (all threads) over the run's wall-clock.
 - ``time_to_target_s``: first time the training loss, averaged over a sliding window of the latest micro-batches
   of all ranks, is at or below the target; ``None`` when never.
 """
@@ -124,6 +128,10 @@ def summarise_run(
         sum(tok for t, _, tok in r["records"] if t > r0["step_ends"][WARMUP_STEPS - 1]) for r in run
     ) if steps > WARMUP_STEPS else 0  # fmt: skip
     timed_seconds = r0["step_ends"][-1] - r0["step_ends"][WARMUP_STEPS - 1] if steps > WARMUP_STEPS else None
+    in_run = [  # after the start-up steps' micro-batches
+        median_or_none(r.get("micro_batch_compute_s", [])[sum(r["micro_batches"][:WARMUP_STEPS]) :]) for r in run
+    ]
+    slowdown = [c / r["t_base"] for c, r in zip(in_run, run) if c is not None and r.get("t_base")]
     return {
         "method": r0["method"],
         "accumulation": r0["accumulation"],
@@ -140,6 +148,8 @@ def summarise_run(
         "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
         "duration_s": duration,
         "micro_batches_per_step": [statistics.mean(r["micro_batches"]) for r in run],
+        "compute_slowdown": max(slowdown) if slowdown else None,
+        "cpu_per_wall": [r["cpu_s"] / r["wall_s"] if r.get("wall_s") else None for r in run],
         "peak_mem_bytes": None if None in peaks else max(peaks),
         # what the run itself added at its peak, over what the process held before it (fewer leftovers)
         "run_mem_bytes": None if None in peaks + before else max(p - b for p, b in zip(peaks, before)),
@@ -164,7 +174,8 @@ def combine_repeats(summaries: Sequence[dict[str, Any]], target: float | None) -
         "steps": first["steps"],
     }
     for key in ("step_time_s", "t_compute_s", "t_comm_s", "exposed_comm_s", "overlap_efficiency", "t_wire_s",
-                "limit_s", "bytes_per_step", "tokens_per_s", "peak_mem_bytes", "run_mem_bytes"):  # fmt: skip
+                "limit_s", "bytes_per_step", "tokens_per_s", "peak_mem_bytes", "run_mem_bytes",
+                "compute_slowdown"):  # fmt: skip
         out[key] = med(key)
     out["step_time_s_all"] = [s["step_time_s"] for s in summaries]
     out["target_loss"] = target
@@ -208,9 +219,9 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     """One row per method and setting, with its ratios to sync and to Trainer-DDP of the same setting."""
     header = (
         "| link (Mbit/s) | comm/compute (measured) | slow | method | step (s) | / sync | / DDP | limit (s) | "
-        "T_compute (s) | T_comm (s) | exposed (s) | overlap eff. | tokens/s | MB/step | time to target (s) | / DDP | "
-        "peak MB (run) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "T_compute (s) | T_comm (s) | exposed (s) | overlap eff. | compute in run / alone | tokens/s | MB/step | "
+        "time to target (s) | / DDP | peak MB (run) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [header]
     for r in runs:
@@ -228,7 +239,8 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
         cells = [link, _ratio_cell(r), f"{r['slow_factor']:g}x", name,
                  _fmt(r["step_time_s"]), ratio(sync, "step_time_s"), ratio(ddp, "step_time_s"), _fmt(r["limit_s"]),
                  _fmt(r["t_compute_s"]), _fmt(r["t_comm_s"]), _fmt(r["exposed_comm_s"]),
-                 _fmt(r["overlap_efficiency"], ".2f"), _fmt(r["tokens_per_s"], ".0f"),
+                 _fmt(r["overlap_efficiency"], ".2f"), _fmt(r.get("compute_slowdown"), ".2f"),
+                 _fmt(r["tokens_per_s"], ".0f"),
                  _fmt(None if r["bytes_per_step"] is None else r["bytes_per_step"] / 1e6, ".1f"),
                  _fmt(r["time_to_target_s"], ".1f"), ratio(ddp, "time_to_target_s"),
                  _memory(r)]  # fmt: skip
