@@ -34,6 +34,9 @@ def test_summary_numbers_on_synthetic_runs() -> None:
     assert acco["final_val_loss_spread"] == pytest.approx(0.17)
     assert acco["final_gap_to_ddp_mean"] == pytest.approx((0.01 + 0.0) / 2)
     assert acco["max_curve_gap_to_ddp"] == pytest.approx(0.01)
+    # the seed means: acco (4.04 + 4.0) / 2 against ddp 4.0 at step 50; (3.03 + 3.2) / 2 against 3.1 at step 100
+    assert acco["max_mean_curve_gap_to_ddp"] == pytest.approx(max(0.02 / 4.0, 0.015 / 3.1))
+    assert acco["final_gap_to_ddp_per_seed"] == pytest.approx([0.01, 0.0])
     assert summary["ddp"]["final_gap_to_ddp_mean"] == 0.0
     assert f"{math.exp((3.03 + 3.2) / 2):.1f}" in table and "+0.50 %" in table
 
@@ -60,6 +63,7 @@ def test_chain_orchestration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         alpaca_steps=5,
         alpaca_lrs=[1e-3],
         alpaca_lora_lr=1e-3,
+        alpaca_methods=["ddp", "acco"],
         lambada_path="l.jsonl",
         lambada_docs=10,
         accelerate_config="c.yaml",
