@@ -36,6 +36,7 @@ from transformers import (
     LlamaForCausalLM,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
 
 from hf_acco import ACCOConfig, ACCOTrainer
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"{len(records)} examples cannot spare {script_args.heldout} for --heldout; lower it.")
     heldout, train = records[: script_args.heldout], records[script_args.heldout :]
     # 2. model and tokenizer; 3. prompts, response-only labels
+    set_seed(training_args.seed)  # LoRA's random initialisation: the same in every run with this seed, every method
     model, tokenizer = build_model_and_tokenizer(script_args, records)
     tokenize = lambda r: tokenize_example(r, tokenizer, script_args.max_length)  # noqa: E731
     train_ds = Dataset.from_list([tokenize(r) for r in train])
