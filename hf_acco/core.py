@@ -589,8 +589,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums
         comm.reduce_scatter(layout, buf, shard.grad)
         count_work.wait()
+        total_weight, total_micro_batches, joined = counts.tolist()  # on CUDA this waits for the all-reduce
         all_in.set()  # every rank has launched this round: it can finish without their main threads
-        total_weight, total_micro_batches, joined = counts.tolist()
         if total_weight <= 0 and joined == 0:
             raise ValueError(
                 "The global weight of an ACCO round is 0 (no micro-batch or no tokens on any rank): check that "
