@@ -79,6 +79,8 @@ def test_compute_slowdown_and_cpu_share():
     s = report.summarise_run(ranks, t_comm=0.2, link_mbit=None, window=4)
     assert s["compute_slowdown"] == pytest.approx(1.25)  # the larger of the ranks'
     assert s["cpu_per_wall"] == [0.75, 0.75]
+    combined = report.combine_repeats([s, s], target=None)
+    assert combined["compute_slowdown"] == pytest.approx(1.25) and combined["cpu_per_wall"] == [[0.75, 0.75]] * 2
 
 
 def test_ddp_exposed_communication_is_what_compute_does_not_explain():

@@ -178,6 +178,7 @@ def combine_repeats(summaries: Sequence[dict[str, Any]], target: float | None) -
                 "compute_slowdown"):  # fmt: skip
         out[key] = med(key)
     out["step_time_s_all"] = [s["step_time_s"] for s in summaries]
+    out["cpu_per_wall"] = [s.get("cpu_per_wall") for s in summaries]  # per repetition, per rank
     out["target_loss"] = target
     # the median over repetitions; a repetition that never reached the target counts as infinitely slow
     out["time_to_target_s"] = statistics.median([h[0] if h is not None else math.inf for h in hits]) if hits else None

@@ -12,7 +12,6 @@ import ctypes
 import datetime
 import gc
 import json
-import os
 import random
 import statistics
 import sys
@@ -100,22 +99,6 @@ def _memory(field: str = "VmHWM") -> int | None:
     return None
 
 
-def _cpu_seconds() -> float:
-    """CPU seconds (user + system) of this process so far: every thread, gloo's included."""
-    return time.process_time()
-
-
-def _system_cpu() -> dict[str, float] | None:
-    """Seconds every core of the machine has spent per state (the first line of /proc/stat, USER_HZ ticks)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:8]
-    except OSError:
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
-    return {n: int(v) / hz for n, v in zip(names, fields)}
-
-
 class Traffic:
     """Bytes this rank sent on its link device (both ranks' when they share one loopback: halved)."""
 
@@ -152,14 +135,14 @@ def comm_alone(model, traffic: Traffic, repeats: int) -> dict[str, float | None]
         seconds, sent, cpu = [], [], []
         for _ in range(repeats + 1):
             dist.barrier(comm.group)
-            before, cpu0, t0 = traffic.read(), _cpu_seconds(), time.perf_counter()
+            before, cpu0, t0 = traffic.read(), time.process_time(), time.perf_counter()
             if name == "all_reduce":
                 comm.all_reduce(flat)
             else:
                 comm.reduce_scatter(layout, flat, shard)
                 comm.all_gather(layout, shard, flat)
             seconds.append(time.perf_counter() - t0)
-            cpu.append(_cpu_seconds() - cpu0)
+            cpu.append(time.process_time() - cpu0)
             after = traffic.read()
             if before is not None and after is not None:
                 sent.append(after - before)
@@ -198,7 +181,7 @@ def train_run(
     tokens_per_mb = spec["batch"] * spec["seq"]
     records, step_ends, waits, per_step, mb_compute = [], [], [], [], []
     dist.barrier()
-    sent0, cpu0, stat0, t0 = traffic.read(), _cpu_seconds(), _system_cpu(), time.perf_counter()
+    sent0, cpu0, t0 = traffic.read(), time.process_time(), time.perf_counter()  # CPU: all threads, gloo's too
     in_step = 0
     while len(step_ends) < steps:
         ids = next(stream)
@@ -236,7 +219,7 @@ def train_run(
         opt.finalize()  # dynamic mode: ranks meet; the model holds the committed parameters
         opt.close()
         dist.destroy_process_group(opt.comm.group)
-    cpu1, stat1, wall = _cpu_seconds(), _system_cpu(), time.perf_counter() - t0
+    cpu1, wall = time.process_time(), time.perf_counter() - t0
     dist.barrier()
     sent1 = traffic.read()
     log = {
@@ -249,7 +232,6 @@ def train_run(
         "micro_batch_compute_s": mb_compute,
         "cpu_s": cpu1 - cpu0,
         "wall_s": wall,
-        "system_cpu_s": {k: stat1[k] - stat0[k] for k in stat1} if stat0 and stat1 else None,
         "tx_bytes": None if sent0 is None else sent1 - sent0,
         "peak_mem_bytes": _memory("VmHWM"),
         "resident_before_bytes": resident_before,
