@@ -12,6 +12,10 @@ from accelerate.utils import str_to_bool
 from transformers import TrainingArguments
 
 from .core import validate_settings
+from .versions import warn_if_untested
+
+warn_if_untested("transformers")
+warn_if_untested("accelerate")
 
 
 @dataclass

@@ -35,7 +35,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -81,6 +81,16 @@ class RoundResult:
     seconds: float  # wall time of the round in the background thread
     joined: int = 0  # ranks that were in a rendezvous when they launched this round
     skipped: bool = False  # the averaged gradient was not finite: no update (the same decision on every rank)
+
+
+def round_ends_soon(elapsed_s: float, round_s: Sequence[float], micro_batch_s: Sequence[float]) -> bool:
+    """Whether a round ``elapsed_s`` into its run is expected to end within half of the next micro-batch.
+
+    Expected durations are the medians of the last rounds (``round_s``) and micro-batches (``micro_batch_s``); with
+    fewer than two of either there is no estimate, and the answer is no."""
+    if len(micro_batch_s) < 2 or len(round_s) < 2:
+        return False
+    return statistics.median(round_s) - elapsed_s < 0.5 * statistics.median(micro_batch_s)
 
 
 def _enum(cls: type[Enum], value: Any, what: str) -> Any:
@@ -500,10 +510,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         Only once every rank has joined the round (its reduce-scatter is done here): a rank must never block on a
         round that another rank has not launched yet, since that rank may be waiting in a collective of the
         caller's (Trainer's logging gather, a loss all-reduce) that this one would then never reach."""
-        if len(self._micro_batch_s) < 2 or len(self._round_s) < 2 or not self._round_everyone_in.is_set():
+        if not self._round_everyone_in.is_set():
             return False
-        left = statistics.median(self._round_s) - (time.perf_counter() - handle.launched_at)
-        return left < 0.5 * statistics.median(self._micro_batch_s)
+        return round_ends_soon(time.perf_counter() - handle.launched_at, self._round_s, self._micro_batch_s)
 
     def _clock_micro_batch(self) -> None:
         if self._micro_batch_clock is not None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import configparser
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,44 @@ def test_the_engine_imports_without_the_hugging_face_stack() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _locked() -> dict[str, str]:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pins = [line.split("==") for line in lines if line and not line.startswith("#")]
+    return {name.lower().replace("_", "-"): version for name, version in pins}
+
+
+def test_the_lock_pins_every_dependency_inside_the_tested_ranges() -> None:
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from hf_acco.versions import TESTED
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    required = [Requirement(r) for r in config["options"]["install_requires"].split("\n") if r.strip()]
+    extras = [Requirement(r) for r in config["options.extras_require"]["tests"].split("\n") if r.strip()]
+    locked = _locked()
+    for req in required + extras:
+        assert req.name.lower() in locked, f"{req.name} is not pinned in constraints.txt"
+        assert Version(locked[req.name.lower()]) in req.specifier, (req, locked[req.name.lower()])
+    for package, (low, high) in TESTED.items():
+        assert Version(low) <= Version(locked[package]) < Version(high), (package, locked[package])
+
+
+def test_an_untested_transformers_gives_one_warning_naming_the_tested_range(monkeypatch) -> None:
+    from hf_acco import versions
+
+    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setattr(versions, "version", lambda package: "5.99.0")
+    with pytest.warns(versions.UntestedVersionWarning, match=r"tested with transformers>=5\.24,<5\.25; transformers"):
+        versions.warn_if_untested("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        versions.warn_if_untested("transformers")  # once per process
+    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setattr(versions, "version", lambda package: "5.24.3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        versions.warn_if_untested("transformers")  # a patch release of the tested minor: no warning

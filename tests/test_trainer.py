@@ -165,10 +165,11 @@ def test_dynamic_accumulation_with_a_slow_rank(tmp_path: Path) -> None:
     logs = [h for h in fast["log_history"] if "acco_micro_batches_rank0" in h]
     # per-rank counts are logged (they cover ACCO steps finished by the log; the rest end in finalize)
     assert 0 < sum(h["acco_micro_batches_rank1"] for h in logs) <= 48
-    # ACCO's optimizer steps are decoupled from Trainer's 12 steps, with varying micro-batches per step
-    assert logs[-1]["acco_optimizer_steps"] != 12
-    # each ACCO step: at least one micro-batch per half on each of the 2 ranks (how many more depends on timing)
-    assert min(h["acco_global_micro_batches"] for h in logs) >= 4
+    # ACCO's steps are decoupled from Trainer's: how many there are, and how many micro-batches each has, depend
+    # on timing. What the design guarantees: the commit rounds, together, averaged every micro-batch of both ranks
+    # exactly once, and both ranks took part in the same rounds.
+    assert fast["acco_totals"]["global_micro_batches"] == slow["acco_totals"]["global_micro_batches"] == 2 * 12 * 4
+    assert fast["acco_totals"]["steps"] == slow["acco_totals"]["steps"] >= 1
     assert [h["step"] for h in fast["log_history"] if "eval_loss" in h] == [4, 8, 12]
     # checkpoints: every rank's shard from the same commit round, and the model files hold that θ
     checkpoint = tmp_path / "checkpoint-8"
