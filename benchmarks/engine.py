@@ -221,7 +221,7 @@ def memory_rank(rank: int, world_size: int, schedule: str, hidden: int, layers: 
             opt.after_backward()
         opt.step()
     opt.synchronize()
-    engine = opt._accum.nbytes + (0 if opt._comm is opt._accum else opt._comm.nbytes)
+    engine = opt.buffers.accum.nbytes + (opt.buffers.comm.nbytes if opt.buffers.separate else 0)
     flat_state, _ = opt.shard.state_tensors()
     engine += opt.shard.master.nbytes + opt.shard.grad.nbytes + sum(v.nbytes for v in flat_state.values())
     opt.close()

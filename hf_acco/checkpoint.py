@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .core import ACCOOptimizer, consolidate_state_dicts
+from .core import ACCOOptimizer
+from .shard_state import consolidate_state_dicts
 
 _SHARD_RE = re.compile(r"^acco_optimizer_rank(\d+)_of_(\d+)\.pt$")
 

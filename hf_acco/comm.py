@@ -122,6 +122,24 @@ class Communicator:
     ) -> dist.Work | None:
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
+    def same_everywhere(self, values: list[float], device: torch.device) -> bool:
+        """Collective: whether every rank passed the same ``values``."""
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        lowest, highest = -mine, mine.clone()
+        self.all_reduce(lowest, op=dist.ReduceOp.MAX)
+        self.all_reduce(highest, op=dist.ReduceOp.MAX)
+        return torch.equal(-lowest, highest)
+
+    def raise_if_any_failed(self, error: Exception | None, device: torch.device, elsewhere: str) -> None:
+        """Collective: raise ``error`` here, and ``RuntimeError(elsewhere)`` on every other rank, if any rank has
+        one (so that no rank goes on into a collective the failed one never reaches)."""
+        failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+        self.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError(elsewhere)
+
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank), group=self.group)
 

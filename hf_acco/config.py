@@ -11,7 +11,7 @@ from accelerate import PartialState
 from accelerate.utils import str_to_bool
 from transformers import TrainingArguments
 
-from .core import validate_settings
+from .schedule import validate_settings
 from .versions import warn_if_untested
 
 warn_if_untested("transformers")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -233,3 +234,29 @@ def _first_difference(names_a, shapes_a, names_b, shapes_b) -> str:
         if na != nb or list(sa) != list(sb):
             return f"parameter {i}: checkpoint has {na} {list(sa)}, model has {nb} {list(sb)}"
     return f"checkpoint has {len(names_a)} trainable parameters, model has {len(names_b)}"
+
+
+def trainable_parameters(param_groups: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, parameter, group index) of each trainable parameter, each object once; frozen ones removed from
+    the groups (which are edited in place)."""
+    seen: set[int] = set()
+    out = []
+    for gi, group in enumerate(param_groups):
+        names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(group["params"]))]
+        kept, kept_names = [], []
+        for name, p in zip(names, group["params"]):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append((name, p, gi))
+            kept.append(p)
+            kept_names.append(name)
+        group["params"] = kept
+        if "param_names" in group:
+            group["param_names"] = kept_names
+    if not out:
+        raise ValueError(
+            "ACCO found no trainable parameters: every parameter has requires_grad=False. Unfreeze at least one "
+            "parameter (or attach a LoRA adapter) before building the optimizer."
+        )
+    return out

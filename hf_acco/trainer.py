@@ -42,8 +42,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
 from .comm import Communicator, PeerFailure, check_world_size
 from .config import check_supported
-from .core import ACCOOptimizer, Accumulation, validate_settings
+from .core import ACCOOptimizer
 from .optim import check_elementwise
+from .schedule import Accumulation, validate_settings
 
 logger = logging.getLogger(__name__)
 

@@ -81,9 +81,9 @@ def _mixed(rank: int, world_size: int) -> dict:
     for _i in range(4):
         x = torch.randn(16, 8, generator=g)
         model(x).square().mean().backward()
-        bf16_grads.append(opt._grad_views[id(model.adapter)].clone())
+        bf16_grads.append(opt.buffers.grad_views[id(model.adapter)].clone())
         opt.after_backward()
-    accumulated = opt._grad_views[id(model.adapter)].clone()
+    accumulated = opt.buffers.grad_views[id(model.adapter)].clone()
     opt.step()
     for _i in range(8):
         model(torch.randn(16, 8, generator=g)).square().mean().backward()

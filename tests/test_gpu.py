@@ -33,7 +33,7 @@ def cuda_train(rank: int, world_size: int, delay: float, autocast: bool) -> list
     opt = ACCOOptimizer(
         decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5, communicator=DelayedCommunicator(delay), **HP
     )
-    assert opt._runner._stream is not None, "the CUDA round must run on its own stream"
+    assert opt.rounds.runner._stream is not None, "the CUDA round must run on its own stream"
     for t in range(STEPS):
         for i in range(MICRO):
             b = {k: v.cuda() for k, v in batch(0, t * MICRO + i).items()}
@@ -44,7 +44,7 @@ def cuda_train(rank: int, world_size: int, delay: float, autocast: bool) -> list
         opt.step()
     with opt.committed_parameters():
         out = [p.detach().cpu().clone() for p in model.parameters()]
-    assert opt._accum.dtype == torch.float32
+    assert opt.buffers.accum.dtype == torch.float32
     opt.close()
     return out
 

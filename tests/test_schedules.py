@@ -9,7 +9,7 @@ import torch
 
 from hf_acco import ACCOOptimizer, Phase
 from hf_acco.comm import DelayedCommunicator
-from hf_acco.core import round_ends_soon
+from hf_acco.halves import round_ends_soon
 from hf_acco.multiprocess import run_ranks
 
 from .models import batch, decay_groups, mean_loss, tiny_llama, token_sum_loss

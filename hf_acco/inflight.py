@@ -1,0 +1,88 @@
+"""The round in flight: launched one at a time on the background runner, waited for, its output loaded.
+
+Main-thread side of a round. Invariants: at most one round is in flight; from ``launch`` until its output has been
+loaded, the round owns ``buffers.comm`` (the main thread only accumulates into ``buffers.accum``); on CUDA the
+runner orders the round's stream after the launch and the main stream after ``wait`` (see ``comm.RoundRunner``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .buffers import BufferPair
+from .comm import CompletedRound, RoundRunner
+from .halves import FixedHalves, InFlight
+from .rounds import Round, RoundResult, own_pieces
+from .schedule import RoundKind
+from .stats import EngineStats
+
+
+class RoundsInFlight:
+    """Launch, wait for and load the rounds of one engine (``body`` runs each on the background thread)."""
+
+    def __init__(self, body: Round, buffers: BufferPair, stats: EngineStats, halves: FixedHalves) -> None:
+        self.body, self.buffers, self.stats, self.halves = body, buffers, stats, halves
+        self.runner = RoundRunner(buffers.device)
+        self.current: InFlight | None = None  # launched, output not yet loaded into the model
+
+    @property
+    def kind(self) -> RoundKind | None:
+        return None if self.current is None else self.current.kind
+
+    def launch(
+        self, kind: RoundKind, weight: float, micro_batches: int, joined: bool, swap: bool, hparams: list, label: str
+    ) -> None:
+        """Hand ``accum``'s sums to a new round (swapped or copied, see ``BufferPair``) and start it."""
+        if self.current is not None:
+            raise AssertionError("a round is still in flight")  # invariant: one round at a time
+        buf = self.buffers.hand_over(swap)  # from here on the round owns ``buf``
+        counts = torch.tensor(
+            [weight, float(micro_batches), 1.0 if joined else 0.0], dtype=torch.float64, device=self.buffers.device
+        )
+        inflight = InFlight(None, kind)  # type: ignore[arg-type]
+        inflight.handle = self.runner.launch(
+            lambda: self.body(kind, buf, counts, hparams, inflight.everyone_in, label)
+        )
+        self.current = inflight
+        self.buffers.restart(swap)
+
+    def completed(self, kind: RoundKind) -> None:
+        """A round whose output is already in ``buffers.comm`` (after a resume)."""
+        self.current = InFlight(CompletedRound(), kind)
+
+    def wait(self) -> None:
+        """Wait for the round in flight; its output stays pending (not loaded)."""
+        if self.current is not None:
+            self.stats.wait_s += self._wait()
+
+    def wait_and_load(self, model_shard: torch.Tensor | None = None) -> None:
+        """Wait for the round in flight and copy its all-gathered parameters into the model (and this rank's
+        shard of them into ``model_shard``)."""
+        if self.current is None:
+            return
+        self.stats.wait_s += self._wait()
+        self.buffers.load_into_model(self.buffers.comm)
+        if model_shard is not None:
+            model_shard.copy_(own_pieces(self.body.layout, self.buffers.comm, self.body.rank).reshape(-1))
+        self.buffers.round_returned()
+        self.current = None
+
+    def drop(self) -> None:
+        self.current = None
+
+    def _wait(self) -> float:
+        t0 = time.perf_counter()
+        try:
+            result: Any = self.current.handle.wait()  # type: ignore[union-attr]
+        except BaseException:
+            self.current = None  # that round is over; report its error once
+            raise
+        if isinstance(result, RoundResult) and self.stats.round_finished(result):
+            self.halves.round_finished(result.seconds)
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

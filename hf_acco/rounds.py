@@ -1,0 +1,151 @@
+"""One ACCO round: count all-reduce, reduce-scatter, average, global norm, clip, sharded update, all-gather.
+
+A round runs on the background thread and touches only its buffer and the shard: the main thread hands it a
+full-size buffer of gradient sums and gets back, in the same buffer, the all-gathered parameters (committed θ
+for a commit round, the look-ahead θ̃ for an estimate round). It is a plain callable over a communicator, so
+tests run it with a fake one and no thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .comm import Communicator
+from .optim import ShardOptimizer
+from .schedule import RoundKind
+from .sharding import FlatLayout
+
+
+@dataclass
+class RoundResult:
+    kind: RoundKind
+    weight: float  # global sum of micro-batch weights (micro-batches or tokens) the gradient was divided by
+    micro_batches: int  # global micro-batch count
+    grad_norm: float  # global norm of the averaged gradient, before clipping
+    seconds: float  # wall time of the round in the background thread
+    joined: int = 0  # ranks that were in a rendezvous when they launched this round
+    skipped: bool = False  # the averaged gradient was not finite: no update (the same decision on every rank)
+
+
+def own_pieces(layout: FlatLayout, flat: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's pieces of a flat buffer, as a (num_buckets, chunk) view."""
+    return flat.view(layout.num_buckets, layout.world_size, layout.chunk)[:, rank]
+
+
+def put_own_pieces(layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, rank: int) -> None:
+    own_pieces(layout, flat, rank).copy_(shard.view(layout.num_buckets, layout.chunk))
+
+
+def check_nonfinite(nonfinite: str) -> None:
+    if nonfinite not in ("skip", "error"):
+        raise ValueError(f"nonfinite must be 'skip' or 'error', got {nonfinite!r}")
+
+
+class Round:
+    """The body of every round of one engine (its layout, communicator, shard and clipping / non-finite policy).
+
+    Args:
+        layout, comm, shard: the flat layout, the round's communicator and this rank's shard optimizer.
+        max_grad_norm: clip the averaged gradient to this global norm (``None``: no clipping).
+        nonfinite: ``"skip"`` an update whose averaged gradient has an inf/NaN, or ``"error"``.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        comm: Communicator,
+        shard: ShardOptimizer,
+        max_grad_norm: float | None = None,
+        nonfinite: str = "skip",
+    ) -> None:
+        check_nonfinite(nonfinite)
+        self.layout, self.comm, self.shard = layout, comm, shard
+        self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
+        self.rank = comm.rank
+        self._param_pieces = layout.shard_param_pieces(comm.rank)
+
+    def __call__(
+        self,
+        kind: RoundKind,
+        buf: torch.Tensor,
+        counts: torch.Tensor,
+        hparams: list[dict[str, Any]],
+        everyone_in: threading.Event,
+        label: str,
+    ) -> RoundResult:
+        """Run one round on ``buf``. ``counts`` = [weight, micro-batches, joined] of this rank (float64)."""
+        with self.comm.guard(label):
+            return self._run(kind, buf, counts, hparams, everyone_in)
+
+    @torch.no_grad()
+    def _run(
+        self, kind: RoundKind, buf: torch.Tensor, counts: torch.Tensor, hparams: list, everyone_in: threading.Event
+    ) -> RoundResult:
+        t0 = time.perf_counter()
+        layout, comm, shard = self.layout, self.comm, self.shard
+        # 1. global weight and micro-batch count, asynchronously
+        count_work = comm.all_reduce(counts, async_op=True)
+        # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums
+        comm.reduce_scatter(layout, buf, shard.grad)
+        count_work.wait()
+        total_weight, total_micro_batches, joined = counts.tolist()  # on CUDA this waits for the all-reduce
+        everyone_in.set()  # every rank has launched this round: it can finish without their main threads
+        if total_weight <= 0 and joined == 0:
+            raise ValueError(
+                "The global weight of an ACCO round is 0 (no micro-batch or no tokens on any rank): check that "
+                "the dataset is not empty and that labels are not all masked."
+            )
+        if total_weight <= 0:  # a rendezvous round in which no rank had a micro-batch: no update (same everywhere)
+            norm, skipped = torch.zeros(1, device=buf.device), False
+            put_own_pieces(layout, buf, shard.master, self.rank)
+        else:
+            norm, skipped = self._update(kind, buf, total_weight, hparams)  # 3.-6.
+        # 7. all-gather
+        comm.all_gather(layout, None, buf)
+        seconds = time.perf_counter() - t0
+        return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined), skipped)
+
+    def _update(
+        self, kind: RoundKind, buf: torch.Tensor, total_weight: float, hparams: list
+    ) -> tuple[torch.Tensor, bool]:
+        """Average, norm, clip, update; this rank's pieces of ``buf`` get the result. (norm, skipped)."""
+        layout, shard = self.layout, self.shard
+        # 3. average
+        shard.grad.div_(total_weight)
+        # 4. global gradient norm and clipping, as torch.nn.utils.clip_grad_norm_ computes them
+        norm = self.global_grad_norm()
+        skipped = not bool(torch.isfinite(norm).all())  # all-reduced: every rank decides the same
+        if skipped and self.nonfinite == "error":
+            raise FloatingPointError(
+                f"The averaged gradient of this {kind.value} round is not finite (global norm {norm.item()}) on "
+                "every rank. Lower the learning rate, check the data for bad examples, or train with "
+                "bf16 instead of fp16; or let ACCO skip such steps (nonfinite='skip')."
+            )
+        if skipped:  # 5. no update: the round hands back the committed parameters
+            put_own_pieces(layout, buf, shard.master, self.rank)
+            return norm, skipped
+        if self.max_grad_norm is not None:
+            shard.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
+        # 5. optimizer update, 6. written into this rank's pieces of ``buf``
+        if kind is RoundKind.COMMIT:
+            shard.commit(hparams)
+            put_own_pieces(layout, buf, shard.master, self.rank)
+        else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
+            shard.estimate(hparams, own_pieces(layout, buf, self.rank))
+        return norm, skipped
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """Norm of the per-parameter norms (clip_grad_norm_'s formula, so that clipping matches it to the bit
+        for parameters held by one rank): each rank adds its part of each parameter's squared norm."""
+        grad = self.shard.grad
+        partial = torch.zeros(len(self.layout.params), dtype=grad.dtype, device=grad.device)
+        for i, a, b in self._param_pieces:
+            partial[i] += torch.linalg.vector_norm(grad[a:b]).square()
+        self.comm.all_reduce(partial)
+        return torch.linalg.vector_norm(partial.sqrt()).reshape(1)

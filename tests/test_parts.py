@@ -1,0 +1,256 @@
+"""The engine's parts alone, in one process and with no thread: the round over a fake communicator, each half
+policy on a fake clock, the buffer pair, the step machine's table, the statistics."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hf_acco.buffers import BufferPair
+from hf_acco.halves import DynamicHalves, FixedHalves, InFlight
+from hf_acco.optim import ShardOptimizer
+from hf_acco.rounds import Round, RoundResult
+from hf_acco.schedule import STEP_END, Phase, RoundKind, Schedule, first_phase, parse_settings, schedule_at
+from hf_acco.sharding import FlatLayout
+from hf_acco.stats import EngineStats
+
+# ---- the round, over a one-rank fake communicator -------------------------------------------------------------
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class FakeComm:
+    """The collectives of one rank alone: sums over one rank are the rank's own values."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def guard(self, label: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def all_reduce(self, tensor: torch.Tensor, op=None, async_op: bool = False):
+        self.calls.append("all_reduce")
+        return _Done() if async_op else None
+
+    def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        self.calls.append("reduce_scatter")
+        shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0].reshape(-1))
+
+    def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
+        self.calls.append("all_gather")  # one rank: its pieces are already in place
+
+
+def _setup(max_grad_norm: float | None = 0.5, nonfinite: str = "skip"):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    layout = FlatLayout(params, ["w", "b"], [0, 1], world_size=1, bucket_numel=8)
+    flat = layout.flatten(params, layout.new_flat("cpu"))
+    hparams = [{"lr": 0.1, "weight_decay": 0.1}, {"lr": 0.1, "weight_decay": 0.0}]
+    shard = ShardOptimizer(
+        layout.shard_of(flat, 0), layout.shard_segments(0), hparams, torch.optim.AdamW, {}, piece_numel=layout.chunk
+    )
+    comm = FakeComm()
+    body = Round(layout, comm, shard, max_grad_norm=max_grad_norm, nonfinite=nonfinite)
+    grads = [torch.randn_like(p) * 3 for p in params]
+    return params, layout, shard, comm, body, hparams, grads
+
+
+def _reference_step(params, grads, weight: float, max_grad_norm: float, hparams) -> list[torch.Tensor]:
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, g in zip(ref, grads):
+        r.grad = g / weight
+    torch.nn.utils.clip_grad_norm_(ref, max_grad_norm)
+    opt = torch.optim.AdamW([{"params": [r], **hp} for r, hp in zip(ref, hparams)])
+    opt.step()
+    return [r.detach() for r in ref]
+
+
+def _run(body, layout, kind, grads, weight=4.0, joined=0.0, hparams=None) -> tuple[RoundResult, torch.Tensor]:
+    buf = layout.flatten(grads, layout.new_flat("cpu"))  # the gradient sums of the step
+    counts = torch.tensor([weight, 2.0, joined], dtype=torch.float64)
+    result = body(kind, buf, counts, hparams, threading.Event(), "test round")
+    return result, buf
+
+
+def test_commit_round_is_the_clipped_adamw_step_on_the_averaged_gradient() -> None:
+    params, layout, shard, comm, body, hparams, grads = _setup()
+    result, buf = _run(body, layout, RoundKind.COMMIT, grads, hparams=hparams)
+    expected = _reference_step(params, grads, 4.0, 0.5, hparams)
+    for got, want in zip(layout.views(buf), expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert result.grad_norm == pytest.approx(float(torch.cat([(g / 4).flatten() for g in grads]).norm()), rel=1e-6)
+    assert (result.weight, result.micro_batches, result.skipped) == (4.0, 2, False)
+    assert comm.calls == ["all_reduce", "reduce_scatter", "all_reduce", "all_gather"]  # counts, grads, norm, params
+    torch.testing.assert_close(shard.master, buf[: shard.master.numel()])  # committed: the master moved
+
+
+def test_estimate_round_gives_the_same_update_and_keeps_master_and_state() -> None:
+    params, layout, shard, comm, body, hparams, grads = _setup()
+    _run(body, layout, RoundKind.COMMIT, grads, hparams=hparams)  # so that the state is not empty
+    master, state = shard.master.clone(), {k: v.clone() for k, v in shard.state_tensors()[0].items()}
+    _, estimate = _run(body, layout, RoundKind.ESTIMATE, grads, hparams=hparams)
+    assert torch.equal(shard.master, master)
+    assert all(torch.equal(v, state[k]) for k, v in shard.state_tensors()[0].items())
+    _, commit = _run(body, layout, RoundKind.COMMIT, grads, hparams=hparams)
+    torch.testing.assert_close(estimate, commit, rtol=0, atol=1e-7)
+
+
+def test_a_nonfinite_gradient_is_skipped_or_stops_the_round() -> None:
+    params, layout, shard, comm, body, hparams, grads = _setup()
+    master = shard.master.clone()
+    grads[1][3] = float("nan")
+    result, buf = _run(body, layout, RoundKind.COMMIT, grads, hparams=hparams)
+    assert result.skipped and torch.equal(shard.master, master)
+    assert torch.equal(buf[: master.numel()], master)  # the round hands back the committed parameters
+    strict = Round(layout, comm, shard, nonfinite="error")
+    with pytest.raises(FloatingPointError, match="not finite"):
+        _run(strict, layout, RoundKind.COMMIT, grads, hparams=hparams)
+
+
+def test_a_round_without_any_weight_is_refused_unless_it_is_a_rendezvous() -> None:
+    params, layout, shard, comm, body, hparams, grads = _setup()
+    with pytest.raises(ValueError, match="global weight of an ACCO round is 0"):
+        _run(body, layout, RoundKind.COMMIT, grads, weight=0.0, hparams=hparams)
+    master = shard.master.clone()
+    result, buf = _run(body, layout, RoundKind.COMMIT, grads, weight=0.0, joined=1.0, hparams=hparams)
+    assert torch.equal(shard.master, master) and torch.equal(buf[: master.numel()], master)
+    assert result.joined == 1 and result.grad_norm == 0.0
+
+
+# ---- the half policies, on a fake clock -----------------------------------------------------------------------
+
+
+@dataclass
+class FakeRound:
+    launched_at: float
+    seconds: float
+    clock: list[float]
+
+    def done(self) -> bool:
+        return self.clock[0] - self.launched_at >= self.seconds
+
+
+def test_fixed_halves_count_micro_batches() -> None:
+    halves = FixedHalves(6)
+    assert [halves.half_done(n, Schedule.ACCO, None) for n in (2, 3)] == [False, True]
+    assert [halves.half_done(n, Schedule.DPU, None) for n in (5, 6)] == [False, True]
+
+
+def _simulate_half(micro_batch_s: float, round_s: float, policy: DynamicHalves, clock: list[float]) -> int:
+    """One half of a rank whose micro-batches take ``micro_batch_s`` while a ``round_s`` round runs."""
+    inflight = InFlight(FakeRound(clock[0], round_s, clock), RoundKind.COMMIT)
+    inflight.everyone_in.set()
+    count = 0
+    while True:
+        policy.micro_batch_started()
+        clock[0] += micro_batch_s
+        policy.micro_batch_ended()
+        count += 1
+        if policy.half_done(count, Schedule.ACCO, inflight):
+            break
+    clock[0] = max(clock[0], inflight.handle.launched_at + round_s)  # waits for the rest of the round
+    policy.round_finished(round_s)
+    return count
+
+
+def test_dynamic_halves_a_faster_rank_computes_more_and_foresees_the_round_end() -> None:
+    """Rounds of 0.3 s. A rank at 0.14 s per micro-batch: before two rounds were timed it computes until the round
+    is done (3), then ends a half when the round is within half a micro-batch of its end (2: at 0.28 s). A rank
+    twice as fast puts more micro-batches into the same rounds (5, then 4)."""
+    clock = [0.0]
+    slow = DynamicHalves(4, clock=lambda: clock[0])
+    assert [_simulate_half(0.14, 0.3, slow, clock) for _ in range(5)] == [3, 3, 2, 2, 2]
+    clock = [0.0]
+    fast = DynamicHalves(4, clock=lambda: clock[0])
+    assert [_simulate_half(0.07, 0.3, fast, clock) for _ in range(5)] == [5, 5, 4, 4, 4]
+
+
+def test_dynamic_halves_bounds_and_the_rule_for_a_round_not_everyone_joined() -> None:
+    clock = [10.0]
+    policy = DynamicHalves(4, min_micro_batches=2, max_micro_batches=3, clock=lambda: clock[0])
+    running = InFlight(FakeRound(10.0, 1.0, clock), RoundKind.ESTIMATE)
+    assert not policy.half_done(1, Schedule.ACCO, None)  # below the minimum, even with no round in flight
+    assert policy.half_done(2, Schedule.ACCO, None)
+    assert not policy.half_done(2, Schedule.ACCO, running)
+    assert policy.half_done(3, Schedule.ACCO, running)  # the maximum
+    policy.round_s.extend([1.0, 1.0])
+    policy.micro_batch_s.extend([0.5, 0.5])
+    clock[0] = 10.8  # 0.2 s left, less than half a micro-batch: foreseen, but only once every rank joined it
+    assert not policy.half_done(2, Schedule.ACCO, running)
+    running.everyone_in.set()
+    assert policy.half_done(2, Schedule.ACCO, running)
+    assert policy.half_done(4, Schedule.SYNC, running) and not policy.half_done(3, Schedule.SYNC, running)
+
+
+# ---- the buffer pair ------------------------------------------------------------------------------------------
+
+
+def _pair(separate: bool) -> tuple[torch.nn.Linear, BufferPair]:
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    params = list(model.parameters())
+    layout = FlatLayout(params, ["w", "b"], [0, 0], world_size=1)
+    return model, BufferPair(params, layout, torch.device("cpu"), separate=separate)
+
+
+def test_gradients_accumulate_in_fp32_and_the_round_takes_them_by_swap_or_copy() -> None:
+    model, pair = _pair(separate=True)
+    x = torch.ones(4, 3, dtype=torch.bfloat16)
+    model(x).sum().backward()
+    pair.grad_scale = 2.0
+    model(x).sum().backward()
+    assert model.weight.grad is None and pair.hook_calls == 4
+    assert pair.accum.dtype == torch.float32
+    torch.testing.assert_close(pair.grad_views[id(model.bias)], torch.full((2,), 12.0))  # 4 + 2 x 4
+    first = pair.accum
+    assert pair.hand_over(swap=False) is not first and torch.equal(pair.comm, first)  # copy: half B goes on
+    sums = pair.accum.clone()
+    handed = pair.hand_over(swap=True)
+    pair.restart(swap=True)
+    assert handed is first and torch.equal(handed, sums)  # swap: the round owns the step's sums
+    assert pair.accum is not handed and not pair.accum.any()  # accumulation restarts from zero elsewhere
+    model(x).sum().backward()
+    assert torch.equal(handed, sums)  # the round's buffer is never touched by the main thread
+    pair.release()
+    model(x).sum().backward()
+    assert model.weight.grad is not None  # hooks gone: autograd's own .grad again
+
+
+def test_one_buffer_without_overlap_goes_back_to_accumulating_after_the_round() -> None:
+    model, pair = _pair(separate=False)
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    assert pair.hand_over(swap=True) is pair.accum  # sync: the round works in the one buffer
+    pair.round_returned()
+    assert not pair.accum.any()
+
+
+# ---- the step machine and the statistics ----------------------------------------------------------------------
+
+
+def test_step_machine_table() -> None:
+    assert STEP_END[Schedule.ACCO].load_first and not STEP_END[Schedule.ACCO].wait_at_once
+    assert STEP_END[Schedule.DPU].load_first and not STEP_END[Schedule.DPU].wait_at_once
+    assert STEP_END[Schedule.SYNC].wait_at_once and not STEP_END[Schedule.SYNC].load_first
+    assert [schedule_at(Schedule.ACCO, s, 2) for s in range(4)] == [Schedule.SYNC] * 2 + [Schedule.ACCO] * 2
+    assert first_phase(Schedule.ACCO) is Phase.ESTIMATE and first_phase(Schedule.DPU) is Phase.CORRECTION
+    assert parse_settings("dpu", "dynamic", 3) == (Schedule.DPU, "dynamic")
+    with pytest.raises(ValueError, match="must be even"):
+        parse_settings("acco", "fixed", 3)
+
+
+def test_statistics_count_each_round_once() -> None:
+    stats = EngineStats()
+    commit = RoundResult(RoundKind.COMMIT, 8.0, 4, 1.5, 0.2)
+    assert stats.round_finished(commit) and not stats.round_finished(commit)
+    stats.wait_s = 0.1
+    stats.step_ended(1, micro_batches=2, weight=4.0)
+    assert stats.last_step_stats["global_micro_batches"] == 4.0 and stats.last_step_stats["grad_norm"] == 1.5
+    assert stats.totals["global_micro_batches"] == 4 and stats.totals["wait_s"] == 0.1 and stats.wait_s == 0.0
