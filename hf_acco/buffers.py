@@ -33,7 +33,13 @@ class BufferPair:
             id(buf): {id(p): v for p, v in zip(self.params, layout.views(buf))} for buf in (self.accum, self.comm)
         }
         self.grad_views = self._views_of[id(self.accum)]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.params]
+        self._hooks: list = []
+
+    def attach(self) -> None:
+        """From now on every backward adds the parameters' gradients into ``accum`` (call it last when building
+        the engine: a failed build must leave the model's autograd untouched)."""
+        if not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.params]
 
     def check_devices(self) -> None:
         for p, name in zip(self.params, self.layout.names):

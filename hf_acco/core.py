@@ -77,6 +77,13 @@ __all__ += ["STATE_FORMAT", "consolidate_state_dicts", "round_ends_soon", "valid
 _HPARAM_SKIP = ("params", "param_names")
 
 
+def _forwarded(part: str, name: str, doc: str | None = None) -> property:
+    """A setting or figure of the facade that lives in one of its parts (read and set there, live)."""
+    return property(
+        lambda self: getattr(getattr(self, part), name), lambda self, v: setattr(getattr(self, part), name, v), doc=doc
+    )
+
+
 class ACCOOptimizer(torch.optim.Optimizer):
     """ZeRO-1 sharded optimizer whose communication runs in the background (ACCO, DPU or synchronous).
 
@@ -134,7 +141,6 @@ class ACCOOptimizer(torch.optim.Optimizer):
         counts = micro_batches, min_micro_batches, max_micro_batches
         self.schedule, self.accumulation = parse_settings(schedule, accumulation, *counts)
         check_nonfinite(nonfinite)  # before the first collective: a bad setting fails alone, not in a hang
-        self.micro_batches, self.min_micro_batches, self.max_micro_batches = counts
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
@@ -149,7 +155,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._check_same_model_everywhere()
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
         dynamic = self.accumulation is Accumulation.DYNAMIC
-        self.halves = DynamicHalves(*counts) if dynamic else FixedHalves(micro_batches)
+        self.halves = DynamicHalves(*counts) if dynamic else FixedHalves(*counts)
         self.stats = EngineStats()
         self._round = Round(self.layout, self.comm, self.shard, max_grad_norm, nonfinite)
         self.rounds = RoundsInFlight(self._round, self.buffers, self.stats, self.halves)
@@ -158,6 +164,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._in_eval, self._eval_backup = False, None  # committed θ loaded for evaluation; what it replaced
         self._joined = False  # in a rendezvous: this rank computes nothing until every rank has joined
         self._restart_step()
+        self.buffers.attach()  # last: if anything above raised, the model's gradients are as they were
 
     def _build_shard(self, optimizer_cls: type, defaults: dict[str, Any], broadcast: bool) -> ShardOptimizer:
         """This rank's master shard of the model's parameters (rank 0's on every rank with ``broadcast``)."""
@@ -189,18 +196,15 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     # ---- settings and figures, where they live ------------------------------------------------------------
 
-    grad_scale = property(
-        lambda self: self.buffers.grad_scale,
-        lambda self, v: setattr(self.buffers, "grad_scale", v),
-        doc="Multiplies the gradients of the next backward passes as they are accumulated.",
-    )
-    max_grad_norm = property(
-        lambda self: self._round.max_grad_norm, lambda self, v: setattr(self._round, "max_grad_norm", v)
-    )
-    nonfinite = property(lambda self: self._round.nonfinite)
-    last_step_stats = property(lambda self: self.stats.last_step_stats, doc="Figures of the last optimizer step.")
-    last_commit = property(lambda self: self.stats.last_commit, doc="The latest commit round waited for.")
-    totals = property(lambda self: self.stats.totals, doc="Figures added up since the start.")
+    grad_scale = _forwarded("buffers", "grad_scale", "Multiplies the gradients of the next backward passes.")
+    max_grad_norm = _forwarded("_round", "max_grad_norm", "Clip the averaged gradient to this global norm.")
+    nonfinite = _forwarded("_round", "nonfinite", "'skip' or 'error' on an inf/NaN averaged gradient.")
+    micro_batches = _forwarded("halves", "micro_batches")
+    min_micro_batches = _forwarded("halves", "min_micro_batches")
+    max_micro_batches = _forwarded("halves", "max_micro_batches")
+    last_step_stats = _forwarded("stats", "last_step_stats", "Figures of the last optimizer step.")
+    last_commit = _forwarded("stats", "last_commit", "The latest commit round waited for.")
+    totals = _forwarded("stats", "totals", "Figures added up since the start.")
 
     # ---- the user's loop ----------------------------------------------------------------------------------
 

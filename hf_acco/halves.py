@@ -51,8 +51,10 @@ def round_ends_soon(elapsed_s: float, round_s: Sequence[float], micro_batch_s: S
 class FixedHalves:
     """``micro_batches`` per optimizer step per rank: half of them per half for acco, all of them otherwise."""
 
-    def __init__(self, micro_batches: int) -> None:
+    def __init__(self, micro_batches: int, min_micro_batches: int = 1, max_micro_batches: int | None = None) -> None:
         self.micro_batches = micro_batches
+        self.min_micro_batches = min_micro_batches  # dynamic mode's bounds per half (unused here)
+        self.max_micro_batches = max_micro_batches
 
     def half_done(self, count: int, schedule: Schedule, inflight: InFlight | None) -> bool:
         per_half = self.micro_batches // 2 if schedule is Schedule.ACCO else self.micro_batches
@@ -85,9 +87,7 @@ class DynamicHalves(FixedHalves):
         max_micro_batches: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        super().__init__(micro_batches)
-        self.min_micro_batches = min_micro_batches
-        self.max_micro_batches = max_micro_batches
+        super().__init__(micro_batches, min_micro_batches, max_micro_batches)
         self.clock = clock
         self.micro_batch_s: deque[float] = deque(maxlen=8)  # this rank's last micro-batches
         self.round_s: deque[float] = deque(maxlen=4)  # and rounds

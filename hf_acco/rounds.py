@@ -63,12 +63,20 @@ class Round:
         max_grad_norm: float | None = None,
         nonfinite: str = "skip",
     ) -> None:
-        check_nonfinite(nonfinite)
         self.layout, self.comm, self.shard = layout, comm, shard
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.rank = comm.rank
         self._param_pieces = layout.shard_param_pieces(comm.rank)
+
+    @property
+    def nonfinite(self) -> str:
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, nonfinite: str) -> None:
+        check_nonfinite(nonfinite)
+        self._nonfinite = nonfinite
 
     def __call__(
         self,

@@ -198,7 +198,9 @@ def _pair(separate: bool) -> tuple[torch.nn.Linear, BufferPair]:
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
     params = list(model.parameters())
     layout = FlatLayout(params, ["w", "b"], [0, 0], world_size=1)
-    return model, BufferPair(params, layout, torch.device("cpu"), separate=separate)
+    pair = BufferPair(params, layout, torch.device("cpu"), separate=separate)
+    pair.attach()
+    return model, pair
 
 
 def test_gradients_accumulate_in_fp32_and_the_round_takes_them_by_swap_or_copy() -> None:
@@ -254,3 +256,19 @@ def test_statistics_count_each_round_once() -> None:
     stats.step_ended(1, micro_batches=2, weight=4.0)
     assert stats.last_step_stats["global_micro_batches"] == 4.0 and stats.last_step_stats["grad_norm"] == 1.5
     assert stats.totals["global_micro_batches"] == 4 and stats.totals["wait_s"] == 0.1 and stats.wait_s == 0.0
+
+
+def _build_fails_then_backward(rank: int, world_size: int) -> bool:
+    from hf_acco import ACCOOptimizer
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        ACCOOptimizer(model.parameters(), lr=-1.0)  # the inner AdamW refuses it, after the buffers exist
+    model(torch.ones(1, 3)).sum().backward()
+    return model.weight.grad is not None
+
+
+def test_a_failed_build_leaves_the_models_gradients_alone() -> None:
+    from hf_acco.multiprocess import run_ranks
+
+    assert run_ranks(_build_fails_then_backward, world_size=1) == [True]
