@@ -16,16 +16,67 @@ import torch
 
 from .sharding import FlatLayout
 
+COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def parse_comm_dtype(value: str | torch.dtype) -> torch.dtype:
+    """``"fp32"`` / ``"bf16"`` (or the torch dtypes) as a torch dtype; anything else is refused."""
+    if isinstance(value, torch.dtype) and value in COMM_DTYPES.values():
+        return value
+    if isinstance(value, str) and value in COMM_DTYPES:
+        return COMM_DTYPES[value]
+    raise ValueError(f"comm_dtype must be 'fp32' or 'bf16', got {value!r}")
+
+
+ACCUM_DTYPE = torch.float32  # gradients accumulate in fp32
+
+
+def model_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype parameters are all-gathered in: the parameters' common floating dtype, else fp32."""
+    dtypes = {p.dtype for p in params}
+    return dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)).is_floating_point else torch.float32
+
+
+def swappable(param_dtype: torch.dtype, comm_dtype: torch.dtype) -> bool:
+    """Whether the round's buffer is a second accumulation buffer (so the two can swap roles)."""
+    return comm_dtype == ACCUM_DTYPE and param_dtype.itemsize <= ACCUM_DTYPE.itemsize
+
+
+def comm_allocation(param_dtype: torch.dtype, comm_dtype: torch.dtype, separate: bool) -> torch.dtype | None:
+    """The dtype the round's full-size buffer is allocated in (the wider of the wire's and the model's), or None
+    when the round works in the accumulation buffer itself (no overlap, fp32 on the wire)."""
+    if swappable(param_dtype, comm_dtype):
+        return ACCUM_DTYPE if separate else None
+    return comm_dtype if comm_dtype.itemsize >= param_dtype.itemsize else param_dtype
+
 
 class BufferPair:
-    """``accum`` and ``comm`` over ``params`` in ``layout`` (one buffer when ``separate`` is False)."""
+    """``accum`` and ``comm`` over ``params`` in ``layout``.
 
-    def __init__(self, params: Sequence[torch.Tensor], layout: FlatLayout, device: torch.device, separate: bool):
+    ``accum`` is fp32. ``comm`` carries gradients in ``comm_dtype`` and hands parameters back in the model's dtype
+    (``param_dtype``: the parameters' common dtype, fp32 when they differ): one allocation of the larger of the two,
+    seen through two views (``grads_of``, ``params_of``), so a bf16 model all-gathers bf16 even with fp32 gradients.
+    With ``separate`` False and fp32 gradients there is one buffer (the synchronous schedule).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        layout: FlatLayout,
+        device: torch.device,
+        separate: bool,
+        comm_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.params = list(params)
         self.layout = layout
         self.device = device
-        self.accum = layout.new_flat(device)
-        self.comm = layout.new_flat(device) if separate else self.accum
+        self.comm_dtype = comm_dtype
+        self.param_dtype = model_dtype(self.params)
+        self.accum = layout.new_flat(device, dtype=ACCUM_DTYPE)
+        # the two buffers can swap roles when they are alike (fp32 gradients); else the round gets a copy
+        self.swappable = swappable(self.param_dtype, comm_dtype)
+        comm = comm_allocation(self.param_dtype, comm_dtype, separate)
+        self.comm = self.accum if comm is None else layout.new_flat(device, dtype=comm)
         self.grad_scale = 1.0  # multiplies the gradients of the next backward passes as they are accumulated
         self.hook_calls = 0  # gradients accumulated since the counter was last reset
         # per-parameter views of each buffer, made once: the two buffers swap roles every step
@@ -34,6 +85,20 @@ class BufferPair:
         }
         self.grad_views = self._views_of[id(self.accum)]
         self._hooks: list = []
+
+    def _typed(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``buf``'s memory as a flat buffer of ``dtype`` (its first bytes when ``dtype`` is narrower)."""
+        if buf.dtype == dtype:
+            return buf
+        return buf.view(torch.uint8)[: self.layout.padded_numel * dtype.itemsize].view(dtype)
+
+    def grads_of(self, buf: torch.Tensor) -> torch.Tensor:
+        """The view of a round's buffer its gradients are reduce-scattered from (``comm_dtype``)."""
+        return self._typed(buf, self.comm_dtype)
+
+    def params_of(self, buf: torch.Tensor) -> torch.Tensor:
+        """The view of a round's buffer its parameters are all-gathered into (``param_dtype``)."""
+        return self._typed(buf, self.param_dtype)
 
     def attach(self) -> None:
         """From now on every backward adds the parameters' gradients into ``accum`` (call it last when building
@@ -65,13 +130,14 @@ class BufferPair:
     def hand_over(self, swap: bool) -> torch.Tensor:
         """Give ``accum``'s sums to the next round: returns the buffer the round will own (``comm``).
 
-        Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
+        ``swap``: the step's sums go (accumulation restarts from zero); else half B goes on accumulating on top of
+        them. Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
         if self.separate:
-            if swap:  # the round takes the sums; the main thread restarts from the (zeroed) old round buffer
+            if swap and self.swappable:  # the round takes the sums; the main thread restarts from the old buffer
                 self.comm, self.accum = self.accum, self.comm
                 self.grad_views = self._views_of[id(self.accum)]
-            else:
-                self.comm.copy_(self.accum)
+            else:  # a copy, cast to the wire's dtype (each rank's fp32 sums rounded once)
+                self.grads_of(self.comm).copy_(self.accum)
         return self.comm
 
     def restart(self, swap: bool) -> None:
@@ -87,6 +153,10 @@ class BufferPair:
     @torch.no_grad()
     def load_into_model(self, flat: torch.Tensor) -> None:
         torch._foreach_copy_(self.params, self.layout.views(flat))
+
+    def load_round_output(self) -> None:
+        """Copy the parameters the last round all-gathered into the model."""
+        self.load_into_model(self.params_of(self.comm))
 
     def model_to(self, out: torch.Tensor) -> torch.Tensor:
         """The model's current parameters, flattened into ``out``."""

@@ -19,10 +19,11 @@ import atexit
 import contextlib
 import datetime
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,25 @@ REDUCE_SCATTER_SPELLINGS = ("auto", "native", "all_to_all")
 
 class PeerFailure(RuntimeError):
     """A collective of an ACCO round failed: a peer rank died, or stopped answering until the timeout."""
+
+
+# what gloo and NCCL say when a peer process is gone or hung (DistError subclasses are matched by type)
+PEER_ERRORS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Socket Timeout",
+    "Timed out waiting",
+    "remote process exited",
+    "Watchdog caught collective operation timeout",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` says that another rank died or stopped answering (not this rank's own failure, such as
+    an out-of-memory error or a CUDA error, which must surface as itself)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
 
 
 def check_world_size(expected: int, group: dist.ProcessGroup | None = None) -> None:
@@ -64,6 +84,8 @@ class Communicator:
         reduce_scatter: ``"auto"`` (per backend, see the module docstring), ``"native"`` or ``"all_to_all"``.
         max_inflight: buckets in flight at once (bounds the all-to-all receive buffers).
         timeout: collective timeout of the round's group; a dead peer raises instead of hanging forever.
+        collectives_at_world_size_1: run the real reduce-scatter and all-gather even with one rank (the GPU tier
+            exercises NCCL's path on one GPU this way); by default one rank copies locally.
     """
 
     def __init__(
@@ -72,6 +94,7 @@ class Communicator:
         reduce_scatter: str = "auto",
         max_inflight: int = 4,
         timeout: datetime.timedelta | None = None,
+        collectives_at_world_size_1: bool = False,
     ) -> None:
         if reduce_scatter not in REDUCE_SCATTER_SPELLINGS:
             raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER_SPELLINGS}, got {reduce_scatter!r}")
@@ -86,6 +109,12 @@ class Communicator:
         self.world_size = dist.get_world_size(self.group)
         self.timeout = timeout
         self.backend = dist.get_backend(self.group)
+        # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
+        # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
+        self.host_group = self.group
+        if self.backend != "gloo":
+            self.host_group = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")  # collective, as above
+        self.local_copies = self.world_size == 1 and not collectives_at_world_size_1
         if reduce_scatter == "auto":
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
@@ -96,18 +125,26 @@ class Communicator:
         """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at
         exit can abort the process ("terminate called without an active exception") while a peer still works."""
         try:
-            if dist.is_initialized() and self.group in dist.distributed_c10d._world.pg_map:
-                dist.destroy_process_group(self.group)
+            for group in {self.host_group, self.group}:
+                if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                    dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
-        """Turn a failed collective into a PeerFailure that says which ranks and what to do."""
+        """Turn a collective that failed because of a peer into a PeerFailure that says which ranks and what to do.
+
+        This rank's own errors (out of memory, a CUDA error, a bad input) surface as themselves, with a note of
+        the round they happened in."""
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, PeerFailure):
+                raise
+            if not is_peer_failure(e):
+                if hasattr(e, "add_note"):
+                    e.add_note(f"(in ACCO's {what}, on rank {self.rank} of {self.world_size})")
                 raise
             peers = [r for r in range(self.world_size) if r != self.rank]
             limit = f"{self.timeout.total_seconds():.0f} s" if self.timeout else "the process group's timeout"
@@ -121,6 +158,12 @@ class Communicator:
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
     ) -> dist.Work | None:
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_reduce_counts(self, counts: Sequence[float]) -> list[float]:
+        """The sums over ranks of a few numbers, on the host group (no device memory, no device sync)."""
+        tensor = torch.tensor(counts, dtype=torch.float64)
+        dist.all_reduce(tensor, group=self.host_group)
+        return tensor.tolist()
 
     def same_everywhere(self, values: list[float], device: torch.device) -> bool:
         """Collective: whether every rank passed the same ``values``."""
@@ -144,17 +187,15 @@ class Communicator:
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank), group=self.group)
 
     def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        """``shard`` <- this rank's shard of the sum over ranks of ``flat`` (``flat`` may be overwritten)."""
-        if self.world_size == 1:
+        """``shard`` <- this rank's shard of the sum over ranks of ``flat`` (``flat`` may be overwritten).
+
+        ``flat`` may be narrower than ``shard`` (bf16 on the wire, fp32 shard): the all-to-all spelling sums the
+        received pieces in ``shard``'s dtype; the native one sums in ``flat``'s (as NCCL does) and casts."""
+        if self.local_copies:
             shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0].reshape(-1))
             return
         if self.reduce_scatter_spelling == "native":
-            works = [
-                _reduce_scatter(layout.shard_piece(shard, b), layout.bucket(flat, b), group=self.group, async_op=True)
-                for b in range(layout.num_buckets)
-            ]
-            for w in works:
-                w.wait()
+            self._native_reduce_scatter(layout, flat, shard)
             return
         # all-to-all: rank j sends its chunk r of each bucket to rank r; r sums the world_size chunks it receives.
         pending: list[tuple[int, torch.Tensor, dist.Work]] = []
@@ -167,17 +208,37 @@ class Communicator:
         for item in pending:
             self._sum_received(layout, shard, *item)
 
+    def _native_reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        if flat.dtype == shard.dtype:
+            outs = [layout.shard_piece(shard, b) for b in range(layout.num_buckets)]
+        elif self.backend == "nccl":  # in place into this rank's piece of each bucket (NCCL's in-place rule)
+            outs = [layout.piece(flat, b, self.rank) for b in range(layout.num_buckets)]
+        else:
+            outs = [torch.empty(layout.chunk, dtype=flat.dtype, device=flat.device) for _ in range(layout.num_buckets)]
+        works = [
+            _reduce_scatter(out, layout.bucket(flat, b), group=self.group, async_op=True) for b, out in enumerate(outs)
+        ]
+        for w in works:
+            w.wait()
+        if flat.dtype != shard.dtype:
+            for b, out in enumerate(outs):
+                layout.shard_piece(shard, b).copy_(out)
+
     @staticmethod
     def _sum_received(layout: FlatLayout, shard: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work) -> None:
         work.wait()
-        torch.sum(recv.view(layout.world_size, layout.chunk), dim=0, out=layout.shard_piece(shard, b))
+        pieces, out = recv.view(layout.world_size, layout.chunk), layout.shard_piece(shard, b)
+        if recv.dtype == shard.dtype:
+            torch.sum(pieces, dim=0, out=out)
+        else:  # bf16 on the wire, summed in fp32
+            torch.sum(pieces, dim=0, dtype=shard.dtype, out=out)
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
         """``flat`` <- every rank's shard. With ``shard=None`` each rank's pieces are already in ``flat``."""
         works = []
         for b in range(layout.num_buckets):
             own = layout.piece(flat, b, self.rank) if shard is None else layout.shard_piece(shard, b)
-            if self.world_size == 1:
+            if self.local_copies:
                 layout.piece(flat, b, 0).copy_(own)
                 continue
             works.append(_all_gather(layout.bucket(flat, b), own, group=self.group, async_op=True))
@@ -241,12 +302,25 @@ class RoundRunner:
     Ordering on CUDA: ``launch`` records an event on the caller's stream after the caller filled the round's
     buffer; the side stream waits for it before the round's first kernel, and records ``done`` after its last.
     ``RoundHandle.wait`` makes the caller's stream wait for ``done`` before it reads the round's output.
+
+    The thread is a daemon: a process that fails while its round waits on a dead or hung peer exits at once,
+    instead of joining that thread until the round's collective times out (``acco_comm_timeout_s``).
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-round")
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="acco-round", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, run = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(run())
+                except BaseException as e:  # noqa: BLE001 - handed to the main thread by RoundHandle.wait
+                    future.set_exception(e)
 
     def launch(self, fn: Callable[[], Any]) -> RoundHandle:
         ready = None
@@ -264,8 +338,14 @@ class RoundRunner:
                 done.record(self._stream)
             return result, done
 
-        with self._lock:
-            return RoundHandle(self._pool.submit(run))
+        if not self._thread.is_alive():
+            raise RuntimeError("This ACCO optimizer was closed: build a new one to train again.")
+        future: Future = Future()
+        self._queue.put((future, run))
+        return RoundHandle(future)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Finish the queued rounds and stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()

@@ -40,12 +40,16 @@ class ACCOConfig(TrainingArguments):
             How the reduce-scatter is spelled: `"auto"` (all-to-all on gloo, native on NCCL), `"native"`,
             `"all_to_all"`.
         acco_bucket_numel (`int`, *optional*):
-            Elements per communication bucket (default: automatic, about 16 buckets of 256 KiB to 16 MiB).
+            Elements per communication bucket (default: automatic, about 16 buckets of 256 KiB to 16 MiB on gloo,
+            16 MiB to 1 GiB on NCCL).
         acco_nonfinite (`str`, *optional*, defaults to `"skip"`):
             When the averaged gradient has an inf or NaN (every rank sees the same all-reduced norm): `"skip"` the
             step everywhere (counted as `acco_skipped_steps`), or `"error"`: stop.
         acco_comm_timeout_s (`float`, *optional*, defaults to 1800):
             Timeout of the round's collectives: a dead peer raises an error after this long instead of hanging.
+        acco_comm_dtype (`str`, *optional*, defaults to `"fp32"`):
+            Gradients on the wire: `"fp32"` or `"bf16"` (half the bytes of the reduce-scatter; each rank's fp32
+            sums rounded once). Parameters are all-gathered in the model's dtype either way.
     """
 
     gradient_accumulation_steps: int = field(
@@ -91,6 +95,11 @@ class ACCOConfig(TrainingArguments):
         default=1800.0,
         metadata={"help": "Timeout in seconds of the round's collectives (a dead peer raises instead of hanging)."},
     )
+    acco_comm_dtype: str = field(
+        default="fp32",
+        metadata={"help": "Gradients on the wire: fp32 or bf16 (parameters go in the model's dtype).",
+                  "choices": ["fp32", "bf16"]},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
@@ -114,6 +123,8 @@ class ACCOConfig(TrainingArguments):
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:
             raise ValueError(f"acco_comm_timeout_s must be > 0, got {self.acco_comm_timeout_s}")
+        if self.acco_comm_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"acco_comm_dtype must be 'fp32' or 'bf16', got {self.acco_comm_dtype!r}")
 
     @cached_property
     def _setup_devices(self):  # noqa: ANN202 - TrainingArguments' own property

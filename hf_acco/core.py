@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .buffers import BufferPair
+from .buffers import BufferPair, parse_comm_dtype
 from .comm import Communicator
 from .halves import DynamicHalves, FixedHalves, round_ends_soon
 from .inflight import RoundsInFlight
@@ -104,7 +104,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         group (`ProcessGroup`, *optional*): ranks to train over; ``None`` is the world.
         communicator (`Communicator`, *optional*): injected collectives (tests wrap it to slow rounds down).
         bucket_numel (`int`, *optional*): elements per communication bucket; default: about 16 buckets of
-            256 KiB to 16 MiB each (several in flight keep the link busy both ways).
+            256 KiB to 16 MiB each on gloo (several in flight keep the link busy both ways), 16 MiB to 1 GiB on NCCL.
         allow_custom_optimizer (`bool`): accept an ``optimizer_cls`` not known to be element-wise.
         broadcast_parameters (`bool`, defaults to `True`): copy rank 0's parameters to every rank.
         auto_step (`bool`, defaults to `False`): ``after_backward`` ends the optimizer step itself when it is
@@ -113,6 +113,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         nonfinite (`str`, defaults to `"skip"`): when the averaged gradient has an inf or NaN (seen by every rank
             in the all-reduced norm, so all take the same decision): ``"skip"`` the update (master, state and
             estimate stay as they are; counted in ``totals["skipped_steps"]``) or ``"error"``: stop with an error.
+        comm_dtype (`str`, defaults to `"fp32"`): the gradients' dtype on the wire, ``"fp32"`` or ``"bf16"`` (each
+            rank's fp32 sums rounded once to bf16, summed in fp32 where the backend allows: gloo's all-to-all; NCCL
+            sums in bf16). Parameters are all-gathered in the model's dtype either way.
         **defaults: hyper-parameters of the inner optimizer (``lr``, ``weight_decay``, ``betas``, ...).
     """
 
@@ -135,22 +138,26 @@ class ACCOOptimizer(torch.optim.Optimizer):
         broadcast_parameters: bool = True,
         auto_step: bool = False,
         nonfinite: str = "skip",
+        comm_dtype: str | torch.dtype = "fp32",
         **defaults: Any,
     ) -> None:
         check_elementwise(optimizer_cls, allow_custom_optimizer)
         counts = micro_batches, min_micro_batches, max_micro_batches
         self.schedule, self.accumulation = parse_settings(schedule, accumulation, *counts)
         check_nonfinite(nonfinite)  # before the first collective: a bad setting fails alone, not in a hang
+        wire = parse_comm_dtype(comm_dtype)
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
         self._params = [p for _, p, _ in named]
         self.comm = communicator if communicator is not None else Communicator(group)
         self.layout = FlatLayout(
-            self._params, [n for n, _, _ in named], [g for _, _, g in named], self.comm.world_size, bucket_numel
-        )
+            self._params, [n for n, _, _ in named], [g for _, _, g in named], self.comm.world_size, bucket_numel,
+            backend=self.comm.backend,
+        )  # fmt: skip
         self.device = self._params[0].device
-        self.buffers = BufferPair(self._params, self.layout, self.device, separate=self.schedule is not Schedule.SYNC)
+        separate = self.schedule is not Schedule.SYNC
+        self.buffers = BufferPair(self._params, self.layout, self.device, separate, comm_dtype=wire)
         self.buffers.check_devices()
         self._check_same_model_everywhere()
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
@@ -268,8 +275,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
             return
         self.synchronize()
         if self.rounds.kind is RoundKind.COMMIT:  # else the model already holds θ
-            self._eval_backup = self.buffers.model_to(self.layout.new_flat(self.device))
-            self.buffers.load_into_model(self.buffers.comm)
+            # the model's own dtype: an exact copy of what it holds, half the bytes of fp32 for a bf16 model
+            backup = self.layout.new_flat(self.device, dtype=self.buffers.param_dtype)
+            self._eval_backup = self.buffers.model_to(backup)
+            self.buffers.load_round_output()
         self._in_eval = True
 
     def train(self) -> None:
@@ -319,7 +328,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
             self.rendezvous()  # ranks may be a round apart: finish together (collective)
         self.synchronize()
         if self.rounds.kind is RoundKind.COMMIT:
-            self.buffers.load_into_model(self.buffers.comm)
+            self.buffers.load_round_output()
         self.rounds.drop()
         self._boundary.model.copy_(self.shard.master)  # the model now holds θ: a boundary with nothing pending
         self._boundary.pending = False
@@ -352,7 +361,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         Every rank validates its input first and the ranks agree before anything is changed: a bad shard on
         one rank raises on every rank (instead of leaving the others waiting in a collective).
         """
-        error = None
+        self.synchronize()  # before any collective of the main thread on the round's group: a round in flight
+        error = None  # issues its own, and two threads issuing collectives on one group can pair them wrongly
         try:
             self._check_step_boundary("load_state_dict")
             shard = self._boundary.check(state_dict, self.schedule.value)
@@ -360,7 +370,6 @@ class ACCOOptimizer(torch.optim.Optimizer):
             error = e
         self.raise_if_any_rank_failed(error)
         self.train()
-        self.synchronize()
         pending = self._boundary.load(state_dict, shard, self.param_groups, self.buffers)
         self.step_count = state_dict["step_count"]
         self.rounds.drop()

@@ -39,18 +39,18 @@ class RoundsInFlight:
         if self.current is not None:
             raise AssertionError("a round is still in flight")  # invariant: one round at a time
         buf = self.buffers.hand_over(swap)  # from here on the round owns ``buf``
-        counts = torch.tensor(
-            [weight, float(micro_batches), 1.0 if joined else 0.0], dtype=torch.float64, device=self.buffers.device
-        )
+        grads, params = self.buffers.grads_of(buf), self.buffers.params_of(buf)
+        counts = [float(weight), float(micro_batches), 1.0 if joined else 0.0]  # to the host group: no device copy
         inflight = InFlight(None, kind)  # type: ignore[arg-type]
+        everyone_in = inflight.everyone_in
         inflight.handle = self.runner.launch(
-            lambda: self.body(kind, buf, counts, hparams, inflight.everyone_in, label)
+            lambda: self.body(kind, grads, params, counts, hparams, everyone_in, label)
         )
         self.current = inflight
         self.buffers.restart(swap)
 
     def completed(self, kind: RoundKind) -> None:
-        """A round whose output is already in ``buffers.comm`` (after a resume)."""
+        """A round whose output is already in ``buffers.comm`` (its parameters' view; after a resume)."""
         self.current = InFlight(CompletedRound(), kind)
 
     def wait(self) -> None:
@@ -64,9 +64,10 @@ class RoundsInFlight:
         if self.current is None:
             return
         self.stats.wait_s += self._wait()
-        self.buffers.load_into_model(self.buffers.comm)
+        self.buffers.load_round_output()
         if model_shard is not None:
-            model_shard.copy_(own_pieces(self.body.layout, self.buffers.comm, self.body.rank).reshape(-1))
+            output = self.buffers.params_of(self.buffers.comm)
+            model_shard.copy_(own_pieces(self.body.layout, output, self.body.rank).reshape(-1))
         self.buffers.round_returned()
         self.current = None
 

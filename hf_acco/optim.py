@@ -172,7 +172,9 @@ class ShardOptimizer:
             for a, b in _chunks(seg.start, seg.end, self.piece_numel):
                 theta, grad = self.master[a:b], self.grad[a:b]
                 piece, offset = divmod(a, self.piece_numel)
-                o = out[piece, offset : offset + (b - a)]
+                target = out[piece, offset : offset + (b - a)]
+                # computed in fp32 (in place when ``out`` is fp32), rounded once into a narrower ``out``
+                o = target if target.dtype == theta.dtype else theta.clone()
                 if "exp_avg" in state:
                     m = self._flat_state["exp_avg"][a:b].clone()
                     v = self._flat_state["exp_avg_sq"][a:b].clone()
@@ -186,6 +188,8 @@ class ShardOptimizer:
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
                 o.addcdiv_(m, denom, value=-step_size)
+                if o is not target:
+                    target.copy_(o)
 
     @torch.no_grad()
     def _snapshot_estimate(self, out: torch.Tensor) -> None:

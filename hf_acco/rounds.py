@@ -8,6 +8,7 @@ tests run it with a fake one and no thread.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -67,7 +68,17 @@ class Round:
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.rank = comm.rank
-        self._param_pieces = layout.shard_param_pieces(comm.rank)
+        # The global norm's pieces, made once: a view of the shard gradient per run of one parameter in one bucket.
+        # Pieces come in shard order, so a parameter's pieces are consecutive: summed as segments (deterministic
+        # on every device, in the order a loop would add them), one segment per parameter this rank holds.
+        pieces = layout.shard_param_pieces(comm.rank)
+        device = shard.grad.device
+        self._piece_views = [shard.grad[a:b] for _, a, b in pieces]
+        runs = [(i, len(list(run))) for i, run in itertools.groupby(i for i, _, _ in pieces)]
+        if len({i for i, _ in runs}) != len(runs):
+            raise AssertionError("a parameter's shard pieces are not consecutive")  # FlatLayout's invariant
+        self._owned = torch.tensor([i for i, _ in runs], dtype=torch.long, device=device)
+        self._segments = torch.tensor([n for _, n in runs], dtype=torch.long, device=device)
 
     @property
     def nonfinite(self) -> str:
@@ -81,34 +92,44 @@ class Round:
     def __call__(
         self,
         kind: RoundKind,
-        buf: torch.Tensor,
-        counts: torch.Tensor,
+        grads: torch.Tensor,
+        params: torch.Tensor,
+        counts: list[float],
         hparams: list[dict[str, Any]],
         everyone_in: threading.Event,
         label: str,
     ) -> RoundResult:
-        """Run one round on ``buf``. ``counts`` = [weight, micro-batches, joined] of this rank (float64)."""
+        """Run one round: reduce-scatter ``grads``, all-gather into ``params`` (two views of the round's buffer,
+        in the wire's and the model's dtype). ``counts`` = [weight, micro-batches, joined] of this rank."""
         with self.comm.guard(label):
-            return self._run(kind, buf, counts, hparams, everyone_in)
+            return self._run(kind, grads, params, counts, hparams, everyone_in)
 
     @torch.no_grad()
     def _run(
-        self, kind: RoundKind, buf: torch.Tensor, counts: torch.Tensor, hparams: list, everyone_in: threading.Event
+        self,
+        kind: RoundKind,
+        grads: torch.Tensor,
+        buf: torch.Tensor,
+        counts: list[float],
+        hparams: list,
+        everyone_in: threading.Event,
     ) -> RoundResult:
         t0 = time.perf_counter()
         layout, comm, shard = self.layout, self.comm, self.shard
-        # 1. global weight and micro-batch count, asynchronously
-        count_work = comm.all_reduce(counts, async_op=True)
-        # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums
-        comm.reduce_scatter(layout, buf, shard.grad)
-        count_work.wait()
-        total_weight, total_micro_batches, joined = counts.tolist()  # on CUDA this waits for the all-reduce
-        everyone_in.set()  # every rank has launched this round: it can finish without their main threads
-        if total_weight <= 0 and joined == 0:
+        # 1. global weight, micro-batch count and rendezvous flag, on the host. After it every rank has launched
+        # this round: the device collectives below never wait on a peer that has not started them (on NCCL such a
+        # kernel would spin on the device while the main thread goes on), and the round can finish without the
+        # other ranks' main threads.
+        total_weight, total_micro_batches, joined = comm.all_reduce_counts(counts)
+        everyone_in.set()
+        if total_weight <= 0 and joined == 0:  # the same on every rank: all raise before any device collective
             raise ValueError(
                 "The global weight of an ACCO round is 0 (no micro-batch or no tokens on any rank): check that "
                 "the dataset is not empty and that labels are not all masked."
             )
+        # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums (into fp32); from here on
+        # ``buf``, the parameters' view of the same memory, is free for the output
+        comm.reduce_scatter(layout, grads, shard.grad)
         if total_weight <= 0:  # a rendezvous round in which no rank had a micro-batch: no update (same everywhere)
             norm, skipped = torch.zeros(1, device=buf.device), False
             put_own_pieces(layout, buf, shard.master, self.rank)
@@ -116,6 +137,8 @@ class Round:
             norm, skipped = self._update(kind, buf, total_weight, hparams)  # 3.-6.
         # 7. all-gather
         comm.all_gather(layout, None, buf)
+        if buf.is_cuda:  # the round's duration is that of its kernels, not of their launch (work.wait() does not
+            torch.cuda.current_stream(buf.device).synchronize()  # block the host on NCCL); blocks only this thread
         seconds = time.perf_counter() - t0
         return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined), skipped)
 
@@ -153,7 +176,8 @@ class Round:
         for parameters held by one rank): each rank adds its part of each parameter's squared norm."""
         grad = self.shard.grad
         partial = torch.zeros(len(self.layout.params), dtype=grad.dtype, device=grad.device)
-        for i, a, b in self._param_pieces:
-            partial[i] += torch.linalg.vector_norm(grad[a:b]).square()
+        if self._piece_views:  # one fused call over every piece, not a Python loop
+            squares = torch.stack(torch._foreach_norm(self._piece_views)).square()
+            partial[self._owned] = torch.segment_reduce(squares, "sum", lengths=self._segments)
         self.comm.all_reduce(partial)
         return torch.linalg.vector_norm(partial.sqrt()).reshape(1)

@@ -69,15 +69,16 @@ class ShardCheckpoint:
         for group, hp in zip(param_groups, state_dict["hparams"]):
             group.update(hp)
         # The model: every rank's shard of what it held at the boundary (estimate, or θ_t for dpu).
-        staging = self.layout.new_flat(self.shard.master.device)
+        staging = self.layout.new_flat(self.shard.master.device, dtype=buffers.param_dtype)  # as the model holds
         put_own_pieces(self.layout, staging, shard(state_dict["model"]), self.comm.rank)
         self.comm.all_gather(self.layout, None, staging)
         buffers.load_into_model(staging)
         self.model.copy_(shard(state_dict["model"]))
         self.pending = state_dict["pending_commit"]
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
-            put_own_pieces(self.layout, buffers.comm, self.shard.master, self.comm.rank)
-            self.comm.all_gather(self.layout, None, buffers.comm)
+            output = buffers.params_of(buffers.comm)
+            put_own_pieces(self.layout, output, self.shard.master, self.comm.rank)
+            self.comm.all_gather(self.layout, None, output)
         return self.pending
 
 

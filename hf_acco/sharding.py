@@ -23,13 +23,19 @@ import torch
 # Automatic bucket size: about TARGET_BUCKETS buckets, each between 256 KiB and 16 MiB of fp32. Several buckets in
 # flight keep a link busy in both directions: on a rate-limited link, one 3.4 MB bucket made gloo's reduce-scatter
 # + all-gather take 1.4x the wire time of their bytes, 13 buckets of 256 KiB took 1.0x (as one all-reduce does).
+# On NCCL buckets are larger: 16 MiB to 1 GiB of fp32. Its reduce-scatter needs no receive buffer, each call costs
+# launch work on the host, and a 7B model would otherwise have ~1,700 buckets (3,400 calls a round); here ~28.
 TARGET_BUCKETS = 16
 MIN_AUTO_BUCKET_NUMEL, MAX_AUTO_BUCKET_NUMEL = 1 << 16, 1 << 22
+NCCL_MIN_AUTO_BUCKET_NUMEL, NCCL_MAX_AUTO_BUCKET_NUMEL = 1 << 22, 1 << 28
 
 
-def auto_bucket_numel(numel: int) -> int:
-    """Elements per bucket for a flat space of ``numel`` elements when none is given."""
-    return min(MAX_AUTO_BUCKET_NUMEL, max(MIN_AUTO_BUCKET_NUMEL, math.ceil(numel / TARGET_BUCKETS)))
+def auto_bucket_numel(numel: int, backend: str = "gloo") -> int:
+    """Elements per bucket for a flat space of ``numel`` elements when none is given, for a backend."""
+    low, high = MIN_AUTO_BUCKET_NUMEL, MAX_AUTO_BUCKET_NUMEL
+    if backend == "nccl":
+        low, high = NCCL_MIN_AUTO_BUCKET_NUMEL, NCCL_MAX_AUTO_BUCKET_NUMEL
+    return min(high, max(low, math.ceil(numel / TARGET_BUCKETS)))
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class FlatLayout:
         groups: the parameter-group index of each parameter (weight decay etc. are per group).
         world_size: number of ranks the space is sharded over.
         bucket_numel: target number of elements per bucket (all ranks together); ``None``: automatic
-            (:func:`auto_bucket_numel`).
+            (:func:`auto_bucket_numel`) for ``backend``.
     """
 
     def __init__(
@@ -60,6 +66,7 @@ class FlatLayout:
         groups: Sequence[int],
         world_size: int,
         bucket_numel: int | None = None,
+        backend: str = "gloo",
     ) -> None:
         if not params:
             raise ValueError(
@@ -82,7 +89,7 @@ class FlatLayout:
         self.numel = sum(self.numels)
         self.world_size = world_size
         if bucket_numel is None:
-            bucket_numel = auto_bucket_numel(self.numel)
+            bucket_numel = auto_bucket_numel(self.numel, backend)
         self.num_buckets = max(1, math.ceil(self.numel / max(1, bucket_numel)))
         self.chunk = math.ceil(self.numel / (self.num_buckets * world_size))
         self.bucket_size = world_size * self.chunk

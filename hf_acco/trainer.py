@@ -40,7 +40,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
-from .comm import Communicator, PeerFailure, check_world_size
+from .comm import Communicator, PeerFailure, check_world_size, is_peer_failure
 from .config import check_supported
 from .core import ACCOOptimizer
 from .optim import check_elementwise
@@ -49,15 +49,6 @@ from .schedule import Accumulation, validate_settings
 logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"
-# what gloo and NCCL say when a peer process is gone or hung (DistError subclasses are matched by type)
-_PEER_ERRORS = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Socket Timeout",
-    "Timed out waiting",
-    "remote process exited",
-    "Watchdog caught collective operation timeout",
-)
 TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
 
@@ -166,7 +157,7 @@ class ACCOTrainer(Trainer):
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except (RuntimeError, dist.DistError) as e:
-            if not (isinstance(e, (PeerFailure, dist.DistError)) or any(m in str(e) for m in _PEER_ERRORS)):
+            if not is_peer_failure(e):  # this rank's own error (out of memory, CUDA, a bug): as it is
                 raise
             rank, world = self.args.process_index, self.args.world_size
             latest = last_complete_checkpoint(self.args.output_dir)
@@ -219,6 +210,7 @@ class ACCOTrainer(Trainer):
             bucket_numel=_setting(args, "acco_bucket_numel", None),
             auto_step=_setting(args, "acco_accumulation", "fixed") == "dynamic",  # steps decoupled from Trainer's
             nonfinite=_setting(args, "acco_nonfinite", "skip"),
+            comm_dtype=_setting(args, "acco_comm_dtype", "fp32"),
             **optimizer_kwargs,
         )
         # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)

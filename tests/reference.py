@@ -76,7 +76,10 @@ class Reference:
         return out
 
 
-def _over_ranks(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+def _over_ranks(per_rank: list[list[torch.Tensor]], wire: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Σ over ranks; with ``wire``, each rank's sums are rounded to that dtype first (what goes on the wire)."""
+    if wire is not None:
+        per_rank = [[t.to(wire).float() for t in sums] for sums in per_rank]
     total = [t.clone() for t in per_rank[0]]
     for other in per_rank[1:]:
         for a, b in zip(total, other):
@@ -88,39 +91,45 @@ def _avg(sums, weight):
     return [s / weight for s in sums]
 
 
-def run_sync(ref: Reference, steps: list[list[list[Batch]]]) -> list[list[torch.Tensor]]:
+def run_sync(
+    ref: Reference, steps: list[list[list[Batch]]], wire: torch.dtype | None = None
+) -> list[list[torch.Tensor]]:
     """θ_{t+1} = Opt(θ_t; Σ g(θ_t) / W). ``steps[t][rank]``: that rank's micro-batches of step t."""
     theta, history = ref.params_now(), []
     for per_rank in steps:
         sums = [ref.grad_sum(theta, batches) for batches in per_rank]
-        theta = ref.update(theta, _avg(_over_ranks([s for s, _ in sums]), sum(w for _, w in sums)), keep=True)
+        theta = ref.update(theta, _avg(_over_ranks([s for s, _ in sums], wire), sum(w for _, w in sums)), keep=True)
         history.append(theta)
     return history
 
 
-def run_dpu(ref: Reference, steps: list[list[list[Batch]]]) -> list[list[torch.Tensor]]:
+def run_dpu(
+    ref: Reference, steps: list[list[list[Batch]]], wire: torch.dtype | None = None
+) -> list[list[torch.Tensor]]:
     """θ_{t+1} = Opt(θ_t; ḡ(θ_{t-1})), θ_{-1} = θ_0."""
     theta = ref.params_now()
     previous, history = theta, []
     for per_rank in steps:
         sums = [ref.grad_sum(previous, batches) for batches in per_rank]
-        new = ref.update(theta, _avg(_over_ranks([s for s, _ in sums]), sum(w for _, w in sums)), keep=True)
+        new = ref.update(theta, _avg(_over_ranks([s for s, _ in sums], wire), sum(w for _, w in sums)), keep=True)
         previous, theta = theta, new
         history.append(theta)
     return history
 
 
-def run_acco(ref: Reference, steps: list[list[tuple[list[Batch], list[Batch]]]]) -> list[list[torch.Tensor]]:
+def run_acco(
+    ref: Reference, steps: list[list[tuple[list[Batch], list[Batch]]]], wire: torch.dtype | None = None
+) -> list[list[torch.Tensor]]:
     """``steps[t][rank] = (half A batches, half B batches)``; returns the committed θ after each step."""
     theta = ref.params_now()
     estimate, history = theta, []
     for per_rank in steps:
         half_a = [ref.grad_sum(estimate, a) for a, _ in per_rank]
         weight_a = sum(w for _, w in half_a)
-        next_estimate = ref.update(theta, _avg(_over_ranks([s for s, _ in half_a]), weight_a), keep=False)
+        next_estimate = ref.update(theta, _avg(_over_ranks([s for s, _ in half_a], wire), weight_a), keep=False)
         full = [ref.grad_sum(theta, b, start=s) for (s, _), (_, b) in zip(half_a, per_rank)]
         weight = weight_a + sum(w for _, w in full)
-        theta = ref.update(theta, _avg(_over_ranks([s for s, _ in full]), weight), keep=True)
+        theta = ref.update(theta, _avg(_over_ranks([s for s, _ in full], wire), weight), keep=True)
         estimate = next_estimate
         history.append(theta)
     return history

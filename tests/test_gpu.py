@@ -2,8 +2,10 @@
 
     make test-gpu     # these tests + a CUDA overlap timing, under 5 minutes on one GPU
 
-One GPU gives one NCCL rank: the collectives are trivial, but the side stream, the events and the background
-thread are the real ones, and a missing stream dependency shows up as a run that is not reproducible.
+One GPU gives one NCCL rank. The engine runs NCCL's real reduce-scatter and all-gather there anyway
+(``collectives_at_world_size_1``), with the counts on the host (gloo) group first; the side stream, the events
+and the background thread are the real ones, and a missing stream dependency shows up as a run that is not
+reproducible.
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ def cuda_train(rank: int, world_size: int, delay: float, autocast: bool) -> list
     torch.backends.cudnn.allow_tf32 = False
     model = tiny_llama().cuda()
     opt = ACCOOptimizer(
-        decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5, communicator=DelayedCommunicator(delay), **HP
+        decay_groups(model, 0.1),
+        micro_batches=MICRO,
+        max_grad_norm=0.5,
+        communicator=DelayedCommunicator(delay, collectives_at_world_size_1=True),
+        **HP,
     )
     assert opt.rounds.runner._stream is not None, "the CUDA round must run on its own stream"
+    assert opt.comm.backend == "nccl" and not opt.comm.local_copies and opt.comm.host_group is not opt.comm.group
     for t in range(STEPS):
         for i in range(MICRO):
             b = {k: v.cuda() for k, v in batch(0, t * MICRO + i).items()}
@@ -76,3 +83,46 @@ def test_cuda_bf16_autocast_trains() -> None:
     got = _run(delay=0.01, autocast=True)
     assert all(torch.isfinite(p).all() for p in got)
     assert relative_error(got, [p.detach() for p in tiny_llama().parameters()]) > 1e-3
+
+
+class SlowKernelCommunicator(DelayedCommunicator):
+    """Its all-gather leaves a long kernel on the round's stream: the host returns long before the device ends."""
+
+    cycles = 0
+
+    def all_gather(self, layout, shard, flat) -> None:
+        super().all_gather(layout, shard, flat)
+        torch.cuda._sleep(self.cycles)
+
+
+def cuda_round_duration(rank: int, world_size: int) -> tuple[float, list[float]]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 50_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    kernel_s = start.elapsed_time(end) / 1000
+    comm = SlowKernelCommunicator(0.0, collectives_at_world_size_1=True)
+    comm.cycles = int(cycles * 0.2 / kernel_s)  # about 0.2 s of device time per round
+    model = tiny_llama().cuda()
+    opt = ACCOOptimizer(model.parameters(), micro_batches=2, communicator=comm, lr=1e-3)
+    for t in range(3):
+        for i in range(2):
+            b = {k: v.cuda() for k, v in batch(0, 2 * t + i).items()}
+            mean_loss(model, b)[0].backward()
+            opt.after_backward()
+        opt.step()
+    opt.synchronize()
+    seconds = [r.seconds for r in [opt.last_commit]]
+    opt.close()
+    return 0.2, seconds
+
+
+def test_cuda_round_duration_covers_its_kernels() -> None:
+    """On NCCL ``work.wait()`` does not block the host: a round's duration must be read once its kernels are done
+    (the dynamic half policy plans with it, and ``acco_round_s`` reports it)."""
+    device_s, seconds = run_ranks(
+        cuda_round_duration, world_size=1, backend="nccl", start_method="spawn", timeout=300
+    )[0]
+    assert min(seconds) >= 0.8 * device_s, seconds

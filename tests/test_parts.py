@@ -41,6 +41,10 @@ class FakeComm:
         self.calls.append("all_reduce")
         return _Done() if async_op else None
 
+    def all_reduce_counts(self, counts: list[float]) -> list[float]:
+        self.calls.append("all_reduce_counts")
+        return list(counts)
+
     def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
         self.calls.append("reduce_scatter")
         shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0].reshape(-1))
@@ -76,8 +80,8 @@ def _reference_step(params, grads, weight: float, max_grad_norm: float, hparams)
 
 def _run(body, layout, kind, grads, weight=4.0, joined=0.0, hparams=None) -> tuple[RoundResult, torch.Tensor]:
     buf = layout.flatten(grads, layout.new_flat("cpu"))  # the gradient sums of the step
-    counts = torch.tensor([weight, 2.0, joined], dtype=torch.float64)
-    result = body(kind, buf, counts, hparams, threading.Event(), "test round")
+    counts = [weight, 2.0, joined]
+    result = body(kind, buf, buf, counts, hparams, threading.Event(), "test round")
     return result, buf
 
 
@@ -89,7 +93,8 @@ def test_commit_round_is_the_clipped_adamw_step_on_the_averaged_gradient() -> No
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     assert result.grad_norm == pytest.approx(float(torch.cat([(g / 4).flatten() for g in grads]).norm()), rel=1e-6)
     assert (result.weight, result.micro_batches, result.skipped) == (4.0, 2, False)
-    assert comm.calls == ["all_reduce", "reduce_scatter", "all_reduce", "all_gather"]  # counts, grads, norm, params
+    # counts first, on the host (every rank has launched the round), then grads, norm, params
+    assert comm.calls == ["all_reduce_counts", "reduce_scatter", "all_reduce", "all_gather"]
     torch.testing.assert_close(shard.master, buf[: shard.master.numel()])  # committed: the master moved
 
 

@@ -192,6 +192,7 @@ def test_dynamic_accumulation_with_a_slow_rank(tmp_path: Path) -> None:
         ({"acco_accumulation": "dynamic", "acco_schedule": "sync"}, "Use accumulation='fixed' with 'sync'"),
         ({"acco_reduce_scatter": "ring"}, "acco_reduce_scatter must be"),
         ({"acco_nonfinite": "ignore"}, "acco_nonfinite must be"),
+        ({"acco_comm_dtype": "fp8"}, "acco_comm_dtype must be"),
         ({"acco_warmup_steps": -1}, "acco_warmup_steps must be >= 0"),
         ({"acco_comm_timeout_s": 0}, "acco_comm_timeout_s must be > 0"),
         ({"acco_bucket_numel": 0}, "acco_bucket_numel must be >= 1"),
