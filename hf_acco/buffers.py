@@ -158,6 +158,13 @@ class BufferPair:
         """Copy the parameters the last round all-gathered into the model."""
         self.load_into_model(self.params_of(self.comm))
 
+    def model_to_host(self) -> torch.Tensor:
+        """The model's current parameters, flattened into a new host buffer in their dtype (pinned on a GPU)."""
+        out = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, pin_memory=self.device.type == "cuda")
+        for view, p in zip(self.layout.views(out), self.params):
+            view.copy_(p.detach())
+        return out
+
     def model_to(self, out: torch.Tensor) -> torch.Tensor:
         """The model's current parameters, flattened into ``out``."""
         return self.layout.flatten(self.params, out)

@@ -56,8 +56,8 @@ PEER_ERRORS = (
 def is_peer_failure(error: BaseException) -> bool:
     """Whether ``error`` says that another rank died or stopped answering (not this rank's own failure, such as
     an out-of-memory error or a CUDA error, which must surface as itself)."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return False
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return False  # this rank's own, also when NCCL reports it (e.g. setting up the round's communicator)
     return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
 
 
@@ -119,11 +119,16 @@ class Communicator:
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
         self.max_inflight = max(1, max_inflight)
+        self.in_round = False  # a round of this communicator is running (on the background thread)
         atexit.register(self._destroy_at_exit)
 
     def _destroy_at_exit(self) -> None:
         """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at
-        exit can abort the process ("terminate called without an active exception") while a peer still works."""
+        exit can abort the process ("terminate called without an active exception") while a peer still works.
+        Not while a round runs (a process failing with its round stuck on a peer): destroying a group under a
+        collective in flight can hang or crash; the process exits with the group as it is."""
+        if self.in_round:
+            return
         try:
             for group in {self.host_group, self.group}:
                 if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
@@ -137,6 +142,7 @@ class Communicator:
 
         This rank's own errors (out of memory, a CUDA error, a bad input) surface as themselves, with a note of
         the round they happened in."""
+        self.in_round = True
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
@@ -153,6 +159,8 @@ class Communicator:
                 f"answer within {limit} ({type(e).__name__}: {e}). Nothing was written by this round; restart the "
                 "job and resume from the last complete checkpoint."
             ) from e
+        finally:
+            self.in_round = False
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
@@ -314,6 +322,8 @@ class RoundRunner:
         self._thread.start()
 
     def _work(self) -> None:
+        if self._stream is not None:  # a new thread's current device is 0: without this, rank r's first stream
+            torch.cuda.set_device(self._stream.device)  # switch would create a CUDA context on GPU 0 too
         while (item := self._queue.get()) is not None:
             future, run = item
             if future.set_running_or_notify_cancel():

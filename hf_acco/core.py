@@ -13,17 +13,9 @@ The same engine runs the baselines: ``dpu`` (one-step delayed update, one round 
 (reproducible); ``dynamic`` keeps computing micro-batches until the round in flight has finished, or is
 expected to finish within half of this rank's next micro-batch (starting it would hold up the next round).
 
-This module is the facade users call; each job lives in its own module:
-
-    schedule.py      the step machine: schedules, phases, what each boundary does (a table)
-    halves.py        when a half ends: FixedHalves, DynamicHalves ("is this half done?")
-    buffers.py       the buffer pair (accum / comm), the gradient hook, the ownership rule
-    rounds.py        the body of a round (background thread: touches only its buffer and the shard)
-    inflight.py      the round in flight: launch, wait, load (main thread; one round at a time)
-    optim.py         the shard optimizer (fp32 master shard, commit and look-ahead updates)
-    shard_state.py   the shard's state dict: checks, re-sharding, consolidation
-    stats.py         per-step statistics and totals
-    comm.py          every torch.distributed call, the background round runner
+This module is the facade users call. Each job has a module of its own (README, "How it works"): schedule.py
+(the step machine), halves.py (when a half ends), buffers.py (the buffer pair), rounds.py (a round's body),
+inflight.py (the round in flight), shard_state.py (the shard's state dict), stats.py, comm.py, optim.py.
 
 Usage (a hand-written loop; ``loss`` is a mean over the micro-batch, or a sum with ``weight`` = its tokens)::
 
@@ -275,9 +267,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
             return
         self.synchronize()
         if self.rounds.kind is RoundKind.COMMIT:  # else the model already holds θ
-            # the model's own dtype: an exact copy of what it holds, half the bytes of fp32 for a bf16 model
-            backup = self.layout.new_flat(self.device, dtype=self.buffers.param_dtype)
-            self._eval_backup = self.buffers.model_to(backup)
+            # on the host (the GPU keeps no full copy), in the model's own dtype: an exact copy of what it holds
+            self._eval_backup = self.buffers.model_to_host()
             self.buffers.load_round_output()
         self._in_eval = True
 

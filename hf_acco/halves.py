@@ -103,7 +103,7 @@ class DynamicHalves(FixedHalves):
         return inflight is None or inflight.handle.done() or self._round_ends_soon(inflight)
 
     def _round_ends_soon(self, inflight: InFlight) -> bool:
-        """Only once every rank has joined the round (its reduce-scatter is done here): a rank must never block on
+        """Only once every rank has joined the round (its counts all-reduce is done here): a rank must never block on
         a round that another rank has not launched yet, since that rank may be waiting in a collective of the
         caller's (Trainer's logging gather, a loss all-reduce) that this one would then never reach."""
         if not inflight.everyone_in.is_set():

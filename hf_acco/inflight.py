@@ -67,7 +67,8 @@ class RoundsInFlight:
         self.buffers.load_round_output()
         if model_shard is not None:
             output = self.buffers.params_of(self.buffers.comm)
-            model_shard.copy_(own_pieces(self.body.layout, output, self.body.rank).reshape(-1))
+            # to the host, queued on the main stream before the next launch can reuse ``comm``
+            model_shard.copy_(own_pieces(self.body.layout, output, self.body.rank).reshape(-1), non_blocking=True)
         self.buffers.round_returned()
         self.current = None
 

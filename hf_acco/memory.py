@@ -5,9 +5,10 @@
 The engine's figures come from the code that allocates its buffers: the flat layout (``FlatLayout``, padding and
 buckets included), the buffer pair's dtypes (``buffers.comm_allocation``), the shard optimizer's master, gradient
 and per-element state, the boundary shard (``ShardCheckpoint``). ``tests/test_memory.py`` checks them against the
-tensors a built engine really holds. Persistent: held for the whole run. Peak: persistent plus the largest
-temporary (evaluation and saving keep a full copy of the model's parameters in its dtype; a resume stages one; a
-gloo round holds its all-to-all receive buffers).
+tensors a built engine really holds. Persistent: on the device for the whole run. Peak: persistent plus the
+largest temporary on the device (a round's estimate chunks; on gloo its all-to-all receive buffers). Host: the
+boundary shard (for mid-step checkpoints) and, during evaluation and saving, a copy of the model's parameters in
+its dtype live in (pinned) host memory; a resume stages through the accumulation buffer.
 
 The baselines, per rank, for a model whose weights are in ``param_dtype`` and whose gradients accumulate in fp32
 (as DeepSpeed does with bf16; Adam(W): two fp32 moments): DDP, every rank everything; ZeRO-1, master and moments
@@ -34,8 +35,9 @@ _ESTIMATE_TEMPORARIES = 4  # fp32 chunks the out-of-place Adam estimate holds at
 class MemoryReport:
     """Bytes per rank: what is held for the whole run, and the temporaries on top of it at their peak."""
 
-    persistent: dict[str, int]
-    temporaries: dict[str, int] = field(default_factory=dict)
+    persistent: dict[str, int]  # on the device
+    temporaries: dict[str, int] = field(default_factory=dict)  # on the device, one at a time
+    host: dict[str, int] = field(default_factory=dict)  # in (pinned) host memory, at most
 
     @property
     def persistent_bytes(self) -> int:
@@ -44,6 +46,10 @@ class MemoryReport:
     @property
     def peak_bytes(self) -> int:
         return self.persistent_bytes + max(self.temporaries.values(), default=0)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
 
 
 def engine_memory(
@@ -70,19 +76,18 @@ def engine_memory(
         "master shard (fp32)": shard * fp32,
         "shard gradient (fp32)": shard * fp32,
         "optimizer state shard (fp32)": state_per_element * shard * fp32,
-        "boundary shard (fp32, for mid-step checkpoints)": shard * fp32,
     }
-    temporaries = {
+    temporaries = {"round: Adam estimate chunks": _ESTIMATE_TEMPORARIES * min(shard, 1 << 20) * fp32}
+    host = {  # a resume stages through the accumulation buffer (free at a step boundary): nothing more
+        "boundary shard (fp32, for mid-step checkpoints)": shard * fp32,
         "evaluation / saving: backup of the model's parameters (model dtype, full)": full * param_dtype.itemsize,
-        "resume: staging buffer (model dtype, full)": full * param_dtype.itemsize,
-        "round: Adam estimate chunks": _ESTIMATE_TEMPORARIES * min(shard, 1 << 20) * fp32,
     }
     if backend == "gloo":
         wire = comm_dtype.itemsize
         temporaries["round: all-to-all receive buffers"] = (
             min(max_inflight, layout.num_buckets) * layout.bucket_size * wire
         )
-    return MemoryReport(persistent, temporaries)
+    return MemoryReport(persistent, temporaries, host)
 
 
 def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (not imported: no cycle)
@@ -113,7 +118,9 @@ def table(numel: int, world_size: int, param_dtype: torch.dtype, comm_dtype: tor
     lines += [f"| {name} | {n / gb:.2f} |" for name, n in report.persistent.items() if n]
     lines += [f"| **persistent** | **{report.persistent_bytes / gb:.2f}** |"]
     lines += [f"| + {name} | {n / gb:.2f} |" for name, n in report.temporaries.items()]
-    lines += [f"| **peak** | **{report.peak_bytes / gb:.2f}** |", "", "| baseline | persistent GB |", "|---|---|"]
+    lines += [f"| **peak** | **{report.peak_bytes / gb:.2f}** |"]
+    lines += [f"| host: {name} | {n / gb:.2f} |" for name, n in report.host.items()]
+    lines += ["", "| baseline | persistent GB |", "|---|---|"]
     lines += [f"| {name} | {n / gb:.2f} |" for name, n in baselines(numel, world_size, param_dtype).items()]
     return "\n".join(lines)
 
@@ -140,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({
         "params": numel, "world_size": args.world_size, "param_dtype": args.param_dtype,
         "comm_dtype": args.comm_dtype, "grad_dtype": "fp32", "schedule": args.schedule,
-        "persistent_bytes": report.persistent_bytes, "peak_bytes": report.peak_bytes,
-        "persistent": report.persistent, "temporaries": report.temporaries,
+        "persistent_bytes": report.persistent_bytes, "peak_bytes": report.peak_bytes, "host_bytes": report.host_bytes,
+        "persistent": report.persistent, "temporaries": report.temporaries, "host": report.host,
         "baselines_persistent_bytes": baselines(numel, args.world_size, param),
     }))  # fmt: skip
 

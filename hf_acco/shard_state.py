@@ -33,10 +33,15 @@ class ShardCheckpoint:
 
     def __init__(self, layout: FlatLayout, comm: Communicator, shard: ShardOptimizer) -> None:
         self.layout, self.comm, self.shard = layout, comm, shard
-        self.model = shard.master.clone()
+        # On the host (pinned on a GPU, so the copy at every step boundary runs asynchronously on the main stream):
+        # it is read only when a checkpoint is written, and a shard of fp32 per GPU is memory a large model needs.
+        self.model = torch.empty(shard.master.shape, dtype=shard.master.dtype, pin_memory=shard.master.is_cuda)
+        self.model.copy_(shard.master)
         self.pending = False
 
     def state_dict(self, schedule: str, step_count: int, hparams: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.shard.master.is_cuda:  # the boundary shard's copy to the host was queued on the main stream
+            torch.cuda.current_stream(self.shard.master.device).synchronize()
         flat_state, scalars = self.shard.state_tensors()
         return shard_state_dict(
             rank=self.comm.rank,
@@ -69,10 +74,11 @@ class ShardCheckpoint:
         for group, hp in zip(param_groups, state_dict["hparams"]):
             group.update(hp)
         # The model: every rank's shard of what it held at the boundary (estimate, or θ_t for dpu).
-        staging = self.layout.new_flat(self.shard.master.device, dtype=buffers.param_dtype)  # as the model holds
+        staging = buffers.accum  # free at a step boundary: no full-size buffer of its own
         put_own_pieces(self.layout, staging, shard(state_dict["model"]), self.comm.rank)
         self.comm.all_gather(self.layout, None, staging)
         buffers.load_into_model(staging)
+        staging.zero_()
         self.model.copy_(shard(state_dict["model"]))
         self.pending = state_dict["pending_commit"]
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
@@ -133,7 +139,7 @@ def shard_getter(
     """Map a saved vector to this rank's shard: directly (same world size) or re-sharded (consolidated)."""
     saved_world = state_dict["layout"]["world_size"]
     if state_dict.get("consolidated"):
-        return lambda v: layout.shard_of(layout.pad(v.to(device)), rank)
+        return lambda v: layout.shard_of(layout.pad(v.cpu()), rank).to(device)  # padded on the host
     if saved_world != layout.world_size or state_dict["layout"]["chunk"] != layout.chunk:
         raise ValueError(
             f"This optimizer shard was written by a run with {saved_world} ranks; this run has "
