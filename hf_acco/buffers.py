@@ -11,6 +11,7 @@ schedule has no overlap: its round works in ``accum`` itself and there is no sec
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -157,6 +158,17 @@ class BufferPair:
     def load_round_output(self) -> None:
         """Copy the parameters the last round all-gathered into the model."""
         self.load_into_model(self.params_of(self.comm))
+
+    def initial_shard(self, comm: Any, rank: int) -> torch.Tensor:
+        """This rank's fp32 shard of the model's parameters (staged in ``accum``, which is zero again after). With
+        a communicator, rank 0's parameters are broadcast first and loaded into every rank's model."""
+        flat = self.model_to(self.accum)
+        if comm is not None:
+            comm.broadcast(flat)  # identical initial parameters on every rank
+            self.load_into_model(flat)
+        shard = self.layout.shard_of(flat, rank)
+        flat.zero_()
+        return shard
 
     def model_to_host(self) -> torch.Tensor:
         """The model's current parameters, flattened into a new host buffer in their dtype (pinned on a GPU)."""

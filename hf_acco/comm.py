@@ -173,13 +173,14 @@ class Communicator:
         dist.all_reduce(tensor, group=self.host_group)
         return tensor.tolist()
 
-    def same_everywhere(self, values: list[float], device: torch.device) -> bool:
-        """Collective: whether every rank passed the same ``values``."""
+    def check_same_everywhere(self, values: list[float], device: torch.device, message: str) -> None:
+        """Collective: raise ``RuntimeError(message)`` on every rank unless every rank passed the same ``values``."""
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         lowest, highest = -mine, mine.clone()
         self.all_reduce(lowest, op=dist.ReduceOp.MAX)
         self.all_reduce(highest, op=dist.ReduceOp.MAX)
-        return torch.equal(-lowest, highest)
+        if not torch.equal(-lowest, highest):
+            raise RuntimeError(message)
 
     def raise_if_any_failed(self, error: Exception | None, device: torch.device, elsewhere: str) -> None:
         """Collective: raise ``error`` here, and ``RuntimeError(elsewhere)`` on every other rank, if any rank has

@@ -151,7 +151,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
         separate = self.schedule is not Schedule.SYNC
         self.buffers = BufferPair(self._params, self.layout, self.device, separate, comm_dtype=wire)
         self.buffers.check_devices()
-        self._check_same_model_everywhere()
+        self.comm.check_same_everywhere(
+            [self.layout.numel, len(self._params)], self.device, "Ranks disagree on the trainable parameters (count "
+            "or size differ). Build the same model with the same frozen/LoRA setup on every rank."
+        )  # fmt: skip
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
         dynamic = self.accumulation is Accumulation.DYNAMIC
         self.halves = DynamicHalves(*counts) if dynamic else FixedHalves(*counts)
@@ -167,24 +170,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     def _build_shard(self, optimizer_cls: type, defaults: dict[str, Any], broadcast: bool) -> ShardOptimizer:
         """This rank's master shard of the model's parameters (rank 0's on every rank with ``broadcast``)."""
-        flat = self.buffers.model_to(self.buffers.accum)
-        if broadcast:
-            self.comm.broadcast(flat)  # identical initial parameters on every rank
-            self.buffers.load_into_model(flat)
-        rank = self.comm.rank
-        shard = ShardOptimizer(
-            self.layout.shard_of(flat, rank), self.layout.shard_segments(rank), self._hparams(), optimizer_cls,
-            dict(defaults), piece_numel=self.layout.chunk,
-        )  # fmt: skip
-        flat.zero_()
-        return shard
-
-    def _check_same_model_everywhere(self) -> None:
-        if not self.comm.same_everywhere([self.layout.numel, len(self._params)], self.device):
-            raise RuntimeError(
-                "Ranks disagree on the trainable parameters (count or size differ). Build the same model with "
-                "the same frozen/LoRA setup on every rank."
-            )
+        master = self.buffers.initial_shard(self.comm if broadcast else None, self.comm.rank)
+        segments = self.layout.shard_segments(self.comm.rank)
+        return ShardOptimizer(master, segments, self._hparams(), optimizer_cls, dict(defaults), self.layout.chunk)
 
     def _restart_step(self) -> None:
         """An optimizer step starts with nothing counted, in the schedule's first phase."""
