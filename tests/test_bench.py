@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hf_acco.bench import link, report
 from hf_acco.bench.__main__ import summarise_setting
@@ -212,3 +213,28 @@ for _ in range(10):
 s.shutdown(socket.SHUT_WR); s.recv(1)
 print(10 * 8 * (1 << 20) / (time.perf_counter() - t0) / 1e6)
 """
+
+
+def _ddp_with_the_bf16_wire_hook(rank: int, world_size: int) -> torch.Tensor:
+    from hf_acco.bench.worker import bf16_wire_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, bf16_wire_hook)
+    ddp(torch.full((3, 4), 0.1 + rank / 3)).sum().backward()
+    return model.weight.grad.clone()
+
+
+def test_the_benchmarks_ddp_bf16_hook_averages_in_bf16() -> None:
+    """What the benchmark's ``ddp-bf16`` runs: each rank's gradient rounded to bf16, averaged (as torch's
+    bf16_compress_hook, which DDP refuses off NCCL)."""
+    from hf_acco.bench.report import method_parts
+    from hf_acco.multiprocess import run_ranks
+
+    grads = run_ranks(_ddp_with_the_bf16_wire_hook)
+    local = [3 * torch.full((2, 4), 0.1 + r / 3) for r in range(2)]
+    expected = sum((g / 2).to(torch.bfloat16) for g in local).float()  # divided, rounded, summed in bf16
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], expected)
+    assert not torch.equal(expected, sum(local) / 2)  # the rounding is there
+    assert method_parts("acco-bf16") == ("acco", "bf16") and method_parts("ddp") == ("ddp", "fp32")

@@ -41,6 +41,8 @@ DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "text" / "tinystories_validatio
 # (MTU 9000) carries 8948 bytes of payload (loopback's 64 KiB MTU adds almost nothing); tbf counts whole frames
 FRAMING = (MTU + 14) / (MTU - 52)
 METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")]
+# not run by default: gradients in bf16 on the wire (ACCO's comm_dtype, DDP's bf16_compress_hook)
+BF16_METHODS = [("acco-bf16", "fixed"), ("acco-bf16", "dynamic"), ("sync-bf16", "fixed"), ("ddp-bf16", "fixed")]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slow_factor", type=float, default=2.0, help="the slow rank's compute time factor (1: none)")
     p.add_argument("--slow_ratio", type=float, default=1.0, help="communication/compute ratio of the slow setting")
     p.add_argument("--methods", nargs="+", default=[f"{m}:{a}" for m, a in METHODS],
-                   choices=[f"{m}:{a}" for m, a in METHODS])  # fmt: skip
+                   choices=[f"{m}:{a}" for m, a in METHODS + BF16_METHODS])  # fmt: skip
+    p.add_argument("--model_dtype", choices=["fp32", "bf16"], default="fp32", help="the model's weights")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=2, help="runs of each method per setting, interleaved")
     p.add_argument("--micro_batches", type=int, default=4, help="per rank per optimizer step (fixed mode)")
@@ -114,14 +117,18 @@ def run_setting(label: str, link: Link | None, spec: dict[str, Any], workdir: Pa
 def summarise_setting(logs: list[dict], setting: dict[str, Any], target: float | None) -> list[dict]:
     window = 2 * 2 * logs[0]["runs"][0].get("k", 4)
     rounds = {"acco": 2, "dpu": 1, "sync": 1}
+    # the wire time alone was measured for an fp32 round (or all-reduce); other dtypes move fewer bytes
+    param_bytes = 2 if setting.get("model_dtype") == "bf16" else 4
     per_method: dict[tuple[str, str], list[dict]] = {}
     for i, run in enumerate(logs[0]["runs"]):
         ranks = [log["runs"][i] for log in logs]
         method = run["method"]
-        if method == "ddp":
-            t_comm = max(log["comm"]["all_reduce_s"] for log in logs)
+        base, wire = report.method_parts(method)
+        grad_bytes = 2 if wire == "bf16" else 4
+        if base == "ddp":
+            t_comm = max(log["comm"]["all_reduce_s"] for log in logs) * min(grad_bytes, param_bytes) / 4
         else:
-            t_comm = rounds[method] * max(log["comm"]["all_to_all_s"] for log in logs)
+            t_comm = rounds[base] * max(log["comm"]["all_to_all_s"] for log in logs) * (grad_bytes + param_bytes) / 8
         summary = report.summarise_run(ranks, t_comm=t_comm, link_mbit=setting["link_mbit"], window=window)
         per_method.setdefault((method, run["accumulation"]), []).append(summary)
     if target is None and ("ddp", "fixed") in per_method:
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [tuple(m.split(":")) for m in args.methods]
     base = {"seed": args.seed, "hidden": args.hidden, "layers": args.layers, "heads": args.heads, "seq": args.seq,
             "batch": args.batch, "micro_batches": args.micro_batches, "lr": args.lr, "steps": args.steps,
-            "text_path": args.text, "timeout_s": 600, "slow_factor": 1.0}  # fmt: skip
+            "text_path": args.text, "timeout_s": 600, "slow_factor": 1.0, "model_dtype": args.model_dtype}  # fmt: skip
 
     def plan(repeats: int) -> list[dict]:  # interleaved; the order rotates between repeats
         rotated = lambda r: methods[r % len(methods) :] + methods[: r % len(methods)]  # noqa: E731
@@ -221,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[bench] setting {label}: link {'unshaped' if mbit is None else f'{mbit:.0f} Mbit/s'}, "
                   f"slow factor {slow:g} ({time.time() - started:.0f} s so far)", flush=True)  # fmt: skip
             logs = run_setting(label, link, spec, workdir, args.timeout_s)
-            setting = {"setting": label, "link_mbit": mbit, "comm_over_compute": ratio, "slow_factor": slow}
+            setting = {"setting": label, "link_mbit": mbit, "comm_over_compute": ratio, "slow_factor": slow,
+                       "model_dtype": args.model_dtype}  # fmt: skip
             return logs, report_setting(logs, setting)
 
         def report_setting(logs: list[dict], setting: dict) -> list[dict]:

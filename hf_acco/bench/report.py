@@ -114,7 +114,7 @@ def summarise_run(
         statistics.mean(r["micro_batches"][WARMUP_STEPS:] or r["micro_batches"]) * r["t_micro"] for r in run
     ]
     t_compute = max(per_rank_compute)
-    if r0["method"] == "ddp":
+    if method_parts(r0["method"])[0] == "ddp":
         exposed = None if t_step is None else max(0.0, t_step - t_compute)
     else:
         exposed = median_or_none(r0["waits"][WARMUP_STEPS:])
@@ -247,3 +247,9 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
                  _memory(r)]  # fmt: skip
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
+
+
+def method_parts(method: str) -> tuple[str, str]:
+    """("acco", "bf16") for "acco-bf16": the method and its gradients' dtype on the wire (fp32 when unnamed)."""
+    base, _, wire = method.partition("-")
+    return base, wire or "fp32"
