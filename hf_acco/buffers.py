@@ -35,7 +35,8 @@ ACCUM_DTYPE = torch.float32  # gradients accumulate in fp32
 def model_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
     """The dtype parameters are all-gathered in: the parameters' common floating dtype, else fp32."""
     dtypes = {p.dtype for p in params}
-    return dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)).is_floating_point else torch.float32
+    (only, *others) = dtypes
+    return only if not others and only.is_floating_point else torch.float32
 
 
 def swappable(param_dtype: torch.dtype, comm_dtype: torch.dtype) -> bool:

@@ -404,9 +404,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._boundary.pending = self.rounds.kind is RoundKind.COMMIT
         self.step_count += 1
         self.stats.step_ended(self.step_count, micro_batches, weight)
-        self._step_counts, self.buffers.hook_calls = [], 0
+        self._restart_step()  # after a warm-up the estimate restarts from θ (the schedule's first phase)
         self.halves.micro_batch_started()
-        self.phase = first_phase(self._schedule_now())  # after a warm-up: the estimate restarts from θ
 
     def _finish_half(self) -> None:
         self._step_counts.append((self._half_count, self._half_weight))

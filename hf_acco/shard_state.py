@@ -43,18 +43,23 @@ class ShardCheckpoint:
         if self.shard.master.is_cuda:  # the boundary shard's copy to the host was queued on the main stream
             torch.cuda.current_stream(self.shard.master.device).synchronize()
         flat_state, scalars = self.shard.state_tensors()
-        return shard_state_dict(
-            rank=self.comm.rank,
-            layout=self.layout,
-            schedule=schedule,
-            step_count=step_count,
-            pending_commit=self.pending,
-            hparams=hparams,
-            master=self.shard.master,
-            model=self.model,
-            optim_state=flat_state,
-            optim_scalars=scalars,
-        )
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().cpu().clone()
+
+        return {
+            "format": STATE_FORMAT,
+            "rank": self.comm.rank,
+            "layout": self.layout.meta(),
+            "schedule": schedule,
+            "step_count": step_count,
+            "pending_commit": self.pending,
+            "hparams": hparams,
+            "master": host(self.shard.master),
+            "model": host(self.model),
+            "optim_state": {k: host(v) for k, v in flat_state.items()},
+            "optim_scalars": {k: host(v) for k, v in scalars.items()},
+        }
 
     def check(self, state_dict: Any, schedule: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """Validate ``state_dict``; returns the map from a saved vector to this rank's shard."""
@@ -74,51 +79,19 @@ class ShardCheckpoint:
         for group, hp in zip(param_groups, state_dict["hparams"]):
             group.update(hp)
         # The model: every rank's shard of what it held at the boundary (estimate, or θ_t for dpu).
+        model_shard = shard(state_dict["model"])
         staging = buffers.accum  # free at a step boundary: no full-size buffer of its own
-        put_own_pieces(self.layout, staging, shard(state_dict["model"]), self.comm.rank)
+        put_own_pieces(self.layout, staging, model_shard, self.comm.rank)
         self.comm.all_gather(self.layout, None, staging)
         buffers.load_into_model(staging)
         staging.zero_()
-        self.model.copy_(shard(state_dict["model"]))
+        self.model.copy_(model_shard)
         self.pending = state_dict["pending_commit"]
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
             output = buffers.params_of(buffers.comm)
             put_own_pieces(self.layout, output, self.shard.master, self.comm.rank)
             self.comm.all_gather(self.layout, None, output)
         return self.pending
-
-
-def shard_state_dict(
-    *,
-    rank: int,
-    layout: FlatLayout,
-    schedule: str,
-    step_count: int,
-    pending_commit: bool,
-    hparams: list[dict[str, Any]],
-    master: torch.Tensor,
-    model: torch.Tensor,
-    optim_state: dict[str, torch.Tensor],
-    optim_scalars: dict[str, torch.Tensor],
-) -> dict[str, Any]:
-    """The state dict of one rank, every tensor copied to the host."""
-
-    def host(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().cpu().clone()
-
-    return {
-        "format": STATE_FORMAT,
-        "rank": rank,
-        "layout": layout.meta(),
-        "schedule": schedule,
-        "step_count": step_count,
-        "pending_commit": pending_commit,
-        "hparams": hparams,
-        "master": host(master),
-        "model": host(model),
-        "optim_state": {k: host(v) for k, v in optim_state.items()},
-        "optim_scalars": {k: host(v) for k, v in optim_scalars.items()},
-    }
 
 
 def validate_state(state_dict: Any, layout: FlatLayout, schedule: str) -> None:
