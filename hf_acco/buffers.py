@@ -1,11 +1,23 @@
 """The pair of full-size buffers, and the rule that the main thread never touches the one a round owns.
 
-``accum``: the main thread's fp32 gradient sums, filled by a post-accumulate-grad hook on every trainable parameter
-(bf16 gradients accumulate in fp32, mixed dtypes work, ``p.grad`` stays ``None``). ``comm``: owned by the round
+``accum``: the main thread's gradient sums (fp32; bf16 by choice for the largest bf16 models), filled by a
+post-accumulate-grad hook on every trainable parameter (bf16 gradients accumulate in fp32, mixed dtypes work,
+``p.grad`` stays ``None``). ``comm``: owned by the round
 in flight (gradients in, parameters out); the main thread touches it only between the round's ``wait()`` and the
 next launch. Handing a half's gradients to a round either swaps the two (the step's sums go; accumulation restarts
 from zero) or copies ``accum`` into ``comm`` (half B keeps accumulating on top of half A's sums). The synchronous
 schedule has no overlap: its round works in ``accum`` itself and there is no second buffer.
+
+The round also keeps this rank's fp32 shard of the reduced gradient inside its buffer when there is room
+(``shard_grad_room``), so no shard-sized gradient is held for the whole run:
+
+* ``"own"``: the buffer is fp32 with fp32 gradients: the reduce-scatter sums into this rank's own pieces of each
+  bucket (NCCL's in-place rule) and the optimizer reads them there.
+* ``"beside"``: a 2-byte buffer (bf16 on the wire and a bf16 model) on 4 ranks or more: each bucket's fp32 piece
+  takes the bytes of two pieces of other ranks next to this rank's own, dead from the bucket's reduce-scatter until
+  the all-gather, and never where this rank's output goes.
+* ``None``: anything else (an fp32 model with bf16 on the wire; bf16 buffers on 2-3 ranks): the shard optimizer
+  keeps a shard-sized fp32 gradient of its own.
 """
 
 from __future__ import annotations
@@ -20,16 +32,29 @@ from .sharding import FlatLayout
 COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def parse_comm_dtype(value: str | torch.dtype) -> torch.dtype:
+def parse_comm_dtype(value: str | torch.dtype, what: str = "comm_dtype") -> torch.dtype:
     """``"fp32"`` / ``"bf16"`` (or the torch dtypes) as a torch dtype; anything else is refused."""
     if isinstance(value, torch.dtype) and value in COMM_DTYPES.values():
         return value
     if isinstance(value, str) and value in COMM_DTYPES:
         return COMM_DTYPES[value]
-    raise ValueError(f"comm_dtype must be 'fp32' or 'bf16', got {value!r}")
+    raise ValueError(f"{what} must be 'fp32' or 'bf16', got {value!r}")
 
 
-ACCUM_DTYPE = torch.float32  # gradients accumulate in fp32
+ACCUM_DTYPE = torch.float32  # gradients accumulate in fp32 by default
+SHARD_GRAD_DTYPE = torch.float32  # the reduced shard gradient the optimizer reads
+
+
+def check_grad_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, param_dtype: torch.dtype) -> None:
+    """bf16 accumulation: for bf16 models with bf16 on the wire (the sums are rounded to bf16 anyway)."""
+    if grad_dtype == torch.float32:
+        return
+    if param_dtype != torch.bfloat16 or comm_dtype != torch.bfloat16:
+        raise ValueError(
+            "grad_dtype='bf16' (bf16 gradient accumulation) is for bf16 models with comm_dtype='bf16': the "
+            f"model's parameters are {param_dtype} and the wire is {comm_dtype}. Cast the model to bf16 and set "
+            "comm_dtype='bf16', or keep grad_dtype='fp32' (the default)."
+        )
 
 
 def model_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
@@ -39,26 +64,39 @@ def model_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
     return only if not others and only.is_floating_point else torch.float32
 
 
-def swappable(param_dtype: torch.dtype, comm_dtype: torch.dtype) -> bool:
+def swappable(param_dtype: torch.dtype, comm_dtype: torch.dtype, grad_dtype: torch.dtype = ACCUM_DTYPE) -> bool:
     """Whether the round's buffer is a second accumulation buffer (so the two can swap roles)."""
-    return comm_dtype == ACCUM_DTYPE and param_dtype.itemsize <= ACCUM_DTYPE.itemsize
+    return comm_dtype == grad_dtype and param_dtype.itemsize <= grad_dtype.itemsize
 
 
-def comm_allocation(param_dtype: torch.dtype, comm_dtype: torch.dtype, separate: bool) -> torch.dtype | None:
+def comm_allocation(
+    param_dtype: torch.dtype, comm_dtype: torch.dtype, separate: bool, grad_dtype: torch.dtype = ACCUM_DTYPE
+) -> torch.dtype | None:
     """The dtype the round's full-size buffer is allocated in (the wider of the wire's and the model's), or None
-    when the round works in the accumulation buffer itself (no overlap, fp32 on the wire)."""
-    if swappable(param_dtype, comm_dtype):
-        return ACCUM_DTYPE if separate else None
+    when the round works in the accumulation buffer itself (no overlap, the wire's dtype is the sums')."""
+    if swappable(param_dtype, comm_dtype, grad_dtype):
+        return grad_dtype if separate else None
     return comm_dtype if comm_dtype.itemsize >= param_dtype.itemsize else param_dtype
+
+
+def shard_grad_room(buffer_dtype: torch.dtype, comm_dtype: torch.dtype, world_size: int, chunk: int) -> str | None:
+    """Where a round keeps its fp32 shard gradient in a buffer of ``buffer_dtype`` (see the module's docstring)."""
+    if buffer_dtype == SHARD_GRAD_DTYPE and comm_dtype == SHARD_GRAD_DTYPE:
+        return "own"
+    # two 2-byte pieces hold one fp32 piece; an even chunk keeps the fp32 view 4-byte aligned
+    if buffer_dtype.itemsize == 2 and comm_dtype == buffer_dtype and world_size >= 4 and chunk % 2 == 0:
+        return "beside"
+    return None
 
 
 class BufferPair:
     """``accum`` and ``comm`` over ``params`` in ``layout``.
 
-    ``accum`` is fp32. ``comm`` carries gradients in ``comm_dtype`` and hands parameters back in the model's dtype
-    (``param_dtype``: the parameters' common dtype, fp32 when they differ): one allocation of the larger of the two,
-    seen through two views (``grads_of``, ``params_of``), so a bf16 model all-gathers bf16 even with fp32 gradients.
-    With ``separate`` False and fp32 gradients there is one buffer (the synchronous schedule).
+    ``accum`` is in ``grad_dtype`` (fp32 by default). ``comm`` carries gradients in ``comm_dtype`` and hands
+    parameters back in the model's dtype (``param_dtype``: the parameters' common dtype, fp32 when they differ): one
+    allocation of the larger of the two, seen through two views (``grads_of``, ``params_of``), so a bf16 model
+    all-gathers bf16 even with fp32 gradients. With ``separate`` False and the wire in the sums' dtype there is one
+    buffer (the synchronous schedule). ``rank``: whose shard of the gradient ``shard_grad_of`` places.
     """
 
     def __init__(
@@ -68,17 +106,22 @@ class BufferPair:
         device: torch.device,
         separate: bool,
         comm_dtype: torch.dtype = torch.float32,
+        grad_dtype: torch.dtype = ACCUM_DTYPE,
+        rank: int = 0,
     ) -> None:
         self.params = list(params)
         self.layout = layout
         self.device = device
         self.comm_dtype = comm_dtype
         self.param_dtype = model_dtype(self.params)
-        self.accum = layout.new_flat(device, dtype=ACCUM_DTYPE)
-        # the two buffers can swap roles when they are alike (fp32 gradients); else the round gets a copy
-        self.swappable = swappable(self.param_dtype, comm_dtype)
-        comm = comm_allocation(self.param_dtype, comm_dtype, separate)
+        check_grad_dtype(grad_dtype, comm_dtype, self.param_dtype)
+        self.accum = layout.new_flat(device, dtype=grad_dtype)
+        # the two buffers can swap roles when they are alike (the wire in the sums' dtype); else the round gets a copy
+        self.swappable = swappable(self.param_dtype, comm_dtype, grad_dtype)
+        comm = comm_allocation(self.param_dtype, comm_dtype, separate, grad_dtype)
         self.comm = self.accum if comm is None else layout.new_flat(device, dtype=comm)
+        self.rank = rank
+        self.grad_room = shard_grad_room(self.comm.dtype, comm_dtype, layout.world_size, layout.chunk)
         self.grad_scale = 1.0  # multiplies the gradients of the next backward passes as they are accumulated
         self.hook_calls = 0  # gradients accumulated since the counter was last reset
         # per-parameter views of each buffer, made once: the two buffers swap roles every step
@@ -87,6 +130,19 @@ class BufferPair:
         }
         self.grad_views = self._views_of[id(self.accum)]
         self._hooks: list = []
+
+    def shard_grad_of(self, buf: torch.Tensor) -> torch.Tensor | None:
+        """The (num_buckets, chunk) fp32 view of ``buf``'s memory where a round working in ``buf`` keeps this rank's
+        reduced shard gradient, or None when ``buf`` has no room for it (``grad_room``)."""
+        layout, rank = self.layout, self.rank
+        if self.grad_room == "own":
+            return buf.view(layout.num_buckets, layout.world_size, layout.chunk)[:, rank]
+        if self.grad_room == "beside":  # pieces rank+1 and rank+2, or 0 and 1 for the last two ranks
+            first = rank + 1 if rank + 2 < layout.world_size else 0
+            row = buf.view(torch.uint8).view(layout.num_buckets, layout.bucket_size * buf.itemsize)
+            start = first * layout.chunk * buf.itemsize
+            return row[:, start : start + layout.chunk * SHARD_GRAD_DTYPE.itemsize].view(SHARD_GRAD_DTYPE)
+        return None
 
     def _typed(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``buf``'s memory as a flat buffer of ``dtype`` (its first bytes when ``dtype`` is narrower)."""
@@ -163,11 +219,11 @@ class BufferPair:
     def initial_shard(self, comm: Any, rank: int) -> torch.Tensor:
         """This rank's fp32 shard of the model's parameters (staged in ``accum``, which is zero again after). With
         a communicator, rank 0's parameters are broadcast first and loaded into every rank's model."""
-        flat = self.model_to(self.accum)
+        flat = self.model_to(self.accum)  # exact: the model's dtype is no wider than the sums'
         if comm is not None:
             comm.broadcast(flat)  # identical initial parameters on every rank
             self.load_into_model(flat)
-        shard = self.layout.shard_of(flat, rank)
+        shard = self.layout.shard_of(flat, rank).to(torch.float32)
         flat.zero_()
         return shard
 

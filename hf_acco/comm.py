@@ -198,28 +198,34 @@ class Communicator:
     def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
         """``shard`` <- this rank's shard of the sum over ranks of ``flat`` (``flat`` may be overwritten).
 
-        ``flat`` may be narrower than ``shard`` (bf16 on the wire, fp32 shard): the all-to-all spelling sums the
-        received pieces in ``shard``'s dtype; the native one sums in ``flat``'s (as NCCL does) and casts."""
+        ``shard`` is contiguous or ``(num_buckets, chunk)``, possibly rows of ``flat``'s own memory (this rank's own
+        pieces, NCCL's in-place rule, or the bytes beside them: bucket b's row is written only once bucket b has
+        been reduced). ``flat`` may be narrower than ``shard`` (bf16 on the wire, fp32 shard): the all-to-all
+        spelling sums the received pieces in ``shard``'s dtype; the native one sums in ``flat``'s (as NCCL does)
+        and casts."""
+        rows = shard.view(layout.num_buckets, layout.chunk) if shard.dim() == 1 else shard
         if self.local_copies:
-            shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0].reshape(-1))
+            own = flat.view(layout.num_buckets, 1, layout.chunk)[:, 0]
+            if own.data_ptr() != rows.data_ptr() or own.dtype != rows.dtype:
+                rows.copy_(own)
             return
         if self.reduce_scatter_spelling == "native":
-            self._native_reduce_scatter(layout, flat, shard)
+            self._native_reduce_scatter(layout, flat, rows)
             return
         # all-to-all: rank j sends its chunk r of each bucket to rank r; r sums the world_size chunks it receives.
         pending: list[tuple[int, torch.Tensor, dist.Work]] = []
         for b in range(layout.num_buckets):
             if len(pending) >= self.max_inflight:
-                self._sum_received(layout, shard, *pending.pop(0))
+                self._sum_received(layout, rows, *pending.pop(0))
             recv = torch.empty_like(layout.bucket(flat, b))
             work = dist.all_to_all_single(recv, layout.bucket(flat, b), group=self.group, async_op=True)
             pending.append((b, recv, work))
         for item in pending:
-            self._sum_received(layout, shard, *item)
+            self._sum_received(layout, rows, *item)
 
-    def _native_reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        if flat.dtype == shard.dtype:
-            outs = [layout.shard_piece(shard, b) for b in range(layout.num_buckets)]
+    def _native_reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, rows: torch.Tensor) -> None:
+        if flat.dtype == rows.dtype:
+            outs = list(rows)
         elif self.backend == "nccl":  # in place into this rank's piece of each bucket (NCCL's in-place rule)
             outs = [layout.piece(flat, b, self.rank) for b in range(layout.num_buckets)]
         else:
@@ -229,18 +235,18 @@ class Communicator:
         ]
         for w in works:
             w.wait()
-        if flat.dtype != shard.dtype:
-            for b, out in enumerate(outs):
-                layout.shard_piece(shard, b).copy_(out)
+        if flat.dtype != rows.dtype:  # after every bucket is reduced; no row overlaps this rank's pieces
+            for row, out in zip(rows, outs):
+                row.copy_(out)
 
     @staticmethod
-    def _sum_received(layout: FlatLayout, shard: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work) -> None:
+    def _sum_received(layout: FlatLayout, rows: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work) -> None:
         work.wait()
-        pieces, out = recv.view(layout.world_size, layout.chunk), layout.shard_piece(shard, b)
-        if recv.dtype == shard.dtype:
-            torch.sum(pieces, dim=0, out=out)
+        pieces = recv.view(layout.world_size, layout.chunk)
+        if recv.dtype == rows.dtype:
+            torch.sum(pieces, dim=0, out=rows[b])
         else:  # bf16 on the wire, summed in fp32
-            torch.sum(pieces, dim=0, dtype=shard.dtype, out=out)
+            torch.sum(pieces, dim=0, dtype=rows.dtype, out=rows[b])
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
         """``flat`` <- every rank's shard. With ``shard=None`` each rank's pieces are already in ``flat``."""

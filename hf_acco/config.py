@@ -50,6 +50,9 @@ class ACCOConfig(TrainingArguments):
         acco_comm_dtype (`str`, *optional*, defaults to `"fp32"`):
             Gradients on the wire: `"fp32"` or `"bf16"` (half the bytes of the reduce-scatter; each rank's fp32
             sums rounded once). Parameters are all-gathered in the model's dtype either way.
+        acco_grad_dtype (`str`, *optional*, defaults to `"fp32"`):
+            Gradient accumulation: `"fp32"`, or `"bf16"` for bf16 models with `acco_comm_dtype="bf16"` (half the
+            accumulation buffer, for the largest models; each micro-batch's gradient is rounded as it is added).
     """
 
     gradient_accumulation_steps: int = field(
@@ -100,6 +103,11 @@ class ACCOConfig(TrainingArguments):
         metadata={"help": "Gradients on the wire: fp32 or bf16 (parameters go in the model's dtype).",
                   "choices": ["fp32", "bf16"]},
     )  # fmt: skip
+    acco_grad_dtype: str = field(
+        default="fp32",
+        metadata={"help": "Gradient accumulation: fp32, or bf16 (bf16 models with acco_comm_dtype=bf16).",
+                  "choices": ["fp32", "bf16"]},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
@@ -125,6 +133,12 @@ class ACCOConfig(TrainingArguments):
             raise ValueError(f"acco_comm_timeout_s must be > 0, got {self.acco_comm_timeout_s}")
         if self.acco_comm_dtype not in ("fp32", "bf16"):
             raise ValueError(f"acco_comm_dtype must be 'fp32' or 'bf16', got {self.acco_comm_dtype!r}")
+        if self.acco_grad_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"acco_grad_dtype must be 'fp32' or 'bf16', got {self.acco_grad_dtype!r}")
+        if self.acco_grad_dtype == "bf16" and self.acco_comm_dtype != "bf16":
+            raise ValueError(
+                "acco_grad_dtype='bf16' needs acco_comm_dtype='bf16' (the sums go on the wire as they are)."
+            )
 
     @cached_property
     def _setup_devices(self):  # noqa: ANN202 - TrainingArguments' own property

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .buffers import BufferPair, parse_comm_dtype
+from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype
 from .comm import Communicator
 from .halves import DynamicHalves, FixedHalves, round_ends_soon
 from .inflight import RoundsInFlight
@@ -108,6 +108,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         comm_dtype (`str`, defaults to `"fp32"`): the gradients' dtype on the wire, ``"fp32"`` or ``"bf16"`` (each
             rank's fp32 sums rounded once to bf16, summed in fp32 where the backend allows: gloo's all-to-all; NCCL
             sums in bf16). Parameters are all-gathered in the model's dtype either way.
+        grad_dtype (`str`, defaults to `"fp32"`): the dtype gradients accumulate in. ``"bf16"`` (for bf16 models
+            with ``comm_dtype="bf16"``, as the authors' release did for the largest models) halves the accumulation
+            buffer; each backward's gradient is rounded as it is added.
         **defaults: hyper-parameters of the inner optimizer (``lr``, ``weight_decay``, ``betas``, ...).
     """
 
@@ -131,17 +134,19 @@ class ACCOOptimizer(torch.optim.Optimizer):
         auto_step: bool = False,
         nonfinite: str = "skip",
         comm_dtype: str | torch.dtype = "fp32",
+        grad_dtype: str | torch.dtype = "fp32",
         **defaults: Any,
     ) -> None:
         check_elementwise(optimizer_cls, allow_custom_optimizer)
         counts = micro_batches, min_micro_batches, max_micro_batches
         self.schedule, self.accumulation = parse_settings(schedule, accumulation, *counts)
         check_nonfinite(nonfinite)  # before the first collective: a bad setting fails alone, not in a hang
-        wire = parse_comm_dtype(comm_dtype)
+        wire, sums = parse_comm_dtype(comm_dtype), parse_comm_dtype(grad_dtype, "grad_dtype")
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
         self._params = [p for _, p, _ in named]
+        check_grad_dtype(sums, wire, model_dtype(self._params))  # before the first collective, as above
         self.comm = communicator if communicator is not None else Communicator(group)
         self.layout = FlatLayout(
             self._params, [n for n, _, _ in named], [g for _, _, g in named], self.comm.world_size, bucket_numel,
@@ -149,7 +154,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         self.device = self._params[0].device
         separate = self.schedule is not Schedule.SYNC
-        self.buffers = BufferPair(self._params, self.layout, self.device, separate, comm_dtype=wire)
+        self.buffers = BufferPair(
+            self._params, self.layout, self.device, separate, comm_dtype=wire, grad_dtype=sums, rank=self.comm.rank
+        )
         self.buffers.check_devices()
         self.comm.check_same_everywhere(
             [self.layout.numel, len(self._params)], self.device, "Ranks disagree on the trainable parameters (count "
@@ -159,7 +166,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         dynamic = self.accumulation is Accumulation.DYNAMIC
         self.halves = DynamicHalves(*counts) if dynamic else FixedHalves(*counts)
         self.stats = EngineStats()
-        self._round = Round(self.layout, self.comm, self.shard, max_grad_norm, nonfinite)
+        self._round = Round(
+            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, shard_grad_of=self.buffers.shard_grad_of
+        )
         self.rounds = RoundsInFlight(self._round, self.buffers, self.stats, self.halves)
         self._boundary = ShardCheckpoint(self.layout, self.comm, self.shard)  # the last step boundary, for state_dict
         self.step_count = 0  # committed optimizer steps launched
@@ -172,7 +181,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
         """This rank's master shard of the model's parameters (rank 0's on every rank with ``broadcast``)."""
         master = self.buffers.initial_shard(self.comm if broadcast else None, self.comm.rank)
         segments = self.layout.shard_segments(self.comm.rank)
-        return ShardOptimizer(master, segments, self._hparams(), optimizer_cls, dict(defaults), self.layout.chunk)
+        return ShardOptimizer(
+            master, segments, self._hparams(), optimizer_cls, dict(defaults), self.layout.chunk,
+            keep_grad=self.buffers.grad_room is None,  # else each round keeps it in its buffer
+        )  # fmt: skip
 
     def _restart_step(self) -> None:
         """An optimizer step starts with nothing counted, in the schedule's first phase."""

@@ -34,7 +34,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.ASGD,
 )
 
-_ESTIMATE_CHUNK = 1 << 20  # elements per chunk of the out-of-place Adam estimate (bounds its temporaries)
+_ESTIMATE_WINDOW = 1 << 24  # elements per window of the out-of-place Adam estimate (bounds its temporaries)
 
 
 def check_elementwise(optimizer_cls: type, allow_custom: bool = False) -> None:
@@ -52,12 +52,18 @@ def check_elementwise(optimizer_cls: type, allow_custom: bool = False) -> None:
 class ShardOptimizer:
     """Master shard, gradient shard and the inner element-wise optimizer of one rank.
 
+    The shard is written out in pieces of ``piece_numel`` (one per bucket), and the gradient is a
+    ``(num_pieces, piece_numel)`` tensor whose rows may lie apart: a round can place it in its own buffer
+    (``use_grad``), so the optimizer's parameters are the segments split at piece boundaries.
+
     Args:
         master: this rank's fp32 shard of the parameters (taken over, not copied).
         segments: this rank's real elements, by parameter group.
         group_hparams: hyper-parameters of each parameter group (``lr``, ``weight_decay``, ...).
         optimizer_cls: the element-wise torch optimizer.
         defaults: keyword arguments for ``optimizer_cls``.
+        piece_numel: elements per piece (the whole shard by default).
+        keep_grad: hold a gradient of its own (else every update is given one with ``use_grad``).
     """
 
     def __init__(
@@ -68,20 +74,43 @@ class ShardOptimizer:
         optimizer_cls: type[torch.optim.Optimizer],
         defaults: dict[str, Any],
         piece_numel: int | None = None,
+        keep_grad: bool = True,
     ) -> None:
         self.master = master
-        self.piece_numel = piece_numel or master.numel()  # the shard is written out in pieces of this size
-        self.grad = torch.zeros_like(master)
-        self.segments = list(segments)
+        self.piece_numel = piece_numel or master.numel()
+        num_pieces = master.numel() // self.piece_numel
+        self.own_grad = torch.zeros(num_pieces, self.piece_numel, device=master.device) if keep_grad else None
+        self.grad: torch.Tensor | None = None
+        self.segments = [
+            Segment(a, b, seg.group) for seg in segments for a, b in _chunks(seg.start, seg.end, self.piece_numel)
+        ]
         self._seg_params: list[torch.nn.Parameter] = []
         groups: list[dict[str, Any]] = [{"params": [], **hp} for hp in group_hparams]
         for seg in self.segments:
             p = torch.nn.Parameter(master[seg.start : seg.end], requires_grad=True)  # aliases master
-            p.grad = self.grad[seg.start : seg.end]
             self._seg_params.append(p)
             groups[seg.group]["params"].append(p)
         self.inner = optimizer_cls(groups, **defaults)
         self._flat_state: dict[str, torch.Tensor] = {}  # per-element state keys, as shard-sized vectors
+        if self.own_grad is not None:
+            self.use_grad(None)
+        self._windows = _estimate_windows(self.segments, self.piece_numel)
+        covered = [(seg.start, seg.end) for seg in self.segments]
+        self._padding = [
+            piece for a, b in _gaps(covered, master.numel()) for piece in _chunks(a, b, self.piece_numel)
+        ]  # fmt: skip
+
+    def use_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """The gradient the next update reads: ``grad`` ((num_pieces, piece_numel), e.g. a view of a round's
+        buffer), or None for the optimizer's own. Returns it."""
+        grad = self.own_grad if grad is None else grad
+        if grad is None:
+            raise AssertionError("this shard optimizer holds no gradient of its own: pass one")
+        if grad is not self.grad:
+            for p, seg in zip(self._seg_params, self.segments):
+                p.grad = _piece_range(grad, seg.start, seg.end, self.piece_numel)
+            self.grad = grad
+        return grad
 
     # ---- updates ------------------------------------------------------------------------------------------
 
@@ -94,11 +123,10 @@ class ShardOptimizer:
     def estimate(self, hparams: Sequence[dict[str, Any]], out: torch.Tensor) -> None:
         """Write the look-ahead update of the master shard into ``out``; master and state stay as they are.
 
-        ``out`` is shaped ``(shard_numel // piece_numel, piece_numel)`` and may be strided (the pieces of a
-        communication buffer this rank owns).
+        ``out`` is shaped ``(num_pieces, piece_numel)`` (or is contiguous) and may be strided, and may be
+        ``self.grad`` itself: every element's gradient is read before that element of ``out`` is written.
         """
         out = out.view(-1, self.piece_numel) if out.is_contiguous() else out
-        out.copy_(self.master.view(out.shape))  # padding starts from the committed values
         self._set_hparams(hparams)
         if self._adam_out_of_place_ok():
             self._adam_estimate(out)
@@ -158,38 +186,53 @@ class ShardOptimizer:
 
     @torch.no_grad()
     def _adam_estimate(self, out: torch.Tensor) -> None:
-        """Adam/AdamW's update, the same elementary ops in the same order as torch's, out of place."""
-        for p, seg in zip(self._seg_params, self.segments):
-            group = self.inner.param_groups[seg.group]
-            lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
-            beta1, beta2 = group["betas"]
-            decoupled = group.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))
-            state = self.inner.state.get(p, {})
-            step = float(state["step"]) + 1 if "step" in state else 1.0
-            bias_correction1 = 1 - beta1**step
-            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-            step_size = lr / bias_correction1
-            for a, b in _chunks(seg.start, seg.end, self.piece_numel):
-                theta, grad = self.master[a:b], self.grad[a:b]
-                piece, offset = divmod(a, self.piece_numel)
-                target = out[piece, offset : offset + (b - a)]
-                # computed in fp32 (in place when ``out`` is fp32), rounded once into a narrower ``out``
-                o = target if target.dtype == theta.dtype else theta.clone()
-                if "exp_avg" in state:
-                    m = self._flat_state["exp_avg"][a:b].clone()
-                    v = self._flat_state["exp_avg_sq"][a:b].clone()
+        """Adam/AdamW's update, the same elementary ops in the same order as torch's, out of place.
+
+        Window by window (at most ``_ESTIMATE_WINDOW`` elements, which bounds the temporaries), one foreach call
+        per operation over the window's runs of one parameter group: the number of calls does not grow with the
+        number of parameters."""
+        pn = self.piece_numel
+        for a, b in self._padding:  # padding takes the committed values
+            _piece_range(out, a, b, pn).copy_(self.master[a:b])
+        for window in self._windows:
+            for g, runs in window.items():
+                group = self.inner.param_groups[g]
+                lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+                beta1, beta2 = group["betas"]
+                decoupled = group.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))
+                state = self.inner.state.get(group["params"][0], {})
+                step = float(state["step"]) + 1 if "step" in state else 1.0
+                bias_correction1 = 1 - beta1**step
+                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+                step_size = lr / bias_correction1
+                thetas = [self.master[a:b] for a, b in runs]
+                grads = [_piece_range(self.grad, a, b, pn) for a, b in runs]
+                targets = [_piece_range(out, a, b, pn) for a, b in runs]
+                if "exp_avg" in state:  # copies of the moments (x * 1 is x, bit for bit)
+                    m = torch._foreach_mul([self._flat_state["exp_avg"][a:b] for a, b in runs], 1.0)
+                    v = torch._foreach_mul([self._flat_state["exp_avg_sq"][a:b] for a, b in runs], 1.0)
                 else:
-                    m, v = torch.zeros_like(theta), torch.zeros_like(theta)
+                    m, v = [torch.zeros_like(t) for t in thetas], [torch.zeros_like(t) for t in thetas]
+                if wd != 0 and not decoupled:
+                    grads = torch._foreach_add(grads, thetas, alpha=wd)
+                torch._foreach_lerp_(m, grads, 1 - beta1)
+                torch._foreach_mul_(v, beta2)
+                torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+                denom = torch._foreach_sqrt(v)
+                torch._foreach_div_(denom, bias_correction2_sqrt)
+                torch._foreach_add_(denom, eps)
+                # the gradient has been read: ``out`` may be written now. Computed in fp32 (in place when ``out``
+                # is fp32), rounded once into a narrower ``out``
+                if targets[0].dtype == thetas[0].dtype:
+                    torch._foreach_copy_(targets, thetas)
+                    o = targets
+                else:
+                    o = torch._foreach_mul(thetas, 1.0)
                 if wd != 0 and decoupled:
-                    o.mul_(1 - lr * wd)
-                elif wd != 0:
-                    grad = grad.add(theta, alpha=wd)
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-                o.addcdiv_(m, denom, value=-step_size)
-                if o is not target:
-                    target.copy_(o)
+                    torch._foreach_mul_(o, 1 - lr * wd)
+                torch._foreach_addcdiv_(o, m, denom, value=-step_size)
+                if o is not targets:
+                    torch._foreach_copy_(targets, o)
 
     @torch.no_grad()
     def _snapshot_estimate(self, out: torch.Tensor) -> None:
@@ -201,7 +244,7 @@ class ShardOptimizer:
             for p in self._seg_params
             if p in self.inner.state
         }
-        self.inner.step()
+        self.inner.step()  # reads the gradient before ``out`` (possibly the same memory) is written
         out.copy_(self.master.view(out.shape))
         self.master.copy_(master_backup)
         if not had_state:
@@ -217,11 +260,36 @@ class ShardOptimizer:
 
 
 def _chunks(start: int, end: int, piece_numel: int) -> list[tuple[int, int]]:
-    """Split ``[start, end)`` at multiples of ``piece_numel`` and into at most ``_ESTIMATE_CHUNK`` elements."""
-    out = []
-    a = start
-    while a < end:
-        b = min(end, (a // piece_numel + 1) * piece_numel, a + _ESTIMATE_CHUNK)
-        out.append((a, b))
-        a = b
-    return out
+    """Split ``[start, end)`` at multiples of ``piece_numel``."""
+    cuts = range((start // piece_numel + 1) * piece_numel, end, piece_numel)
+    bounds = [start, *cuts, end]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
+
+
+def _piece_range(t: torch.Tensor, start: int, end: int, piece_numel: int) -> torch.Tensor:
+    """Shard elements ``[start, end)`` (inside one piece) of a ``(num_pieces, piece_numel)`` tensor."""
+    piece, offset = divmod(start, piece_numel)
+    return t[piece, offset : offset + (end - start)]
+
+
+def _gaps(runs: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, numel)`` that no run (sorted, disjoint) covers."""
+    ends, starts = [0] + [b for _, b in runs], [a for a, _ in runs] + [numel]
+    return [(a, b) for a, b in zip(ends, starts) if a < b]
+
+
+def _estimate_windows(segments: Sequence[Segment], piece_numel: int) -> list[dict[int, list[tuple[int, int]]]]:
+    """Consecutive runs of at most ``_ESTIMATE_WINDOW`` elements in all, by parameter group, in shard order."""
+    windows: list[dict[int, list[tuple[int, int]]]] = [{}]
+    room = _ESTIMATE_WINDOW
+    for seg in segments:
+        a = seg.start
+        while a < seg.end:
+            if room == 0:
+                windows.append({})
+                room = _ESTIMATE_WINDOW
+            b = min(seg.end, a + room)
+            windows[-1].setdefault(seg.group, []).append((a, b))
+            room -= b - a
+            a = b
+    return [w for w in windows if w]

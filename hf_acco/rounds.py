@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,27 @@ def put_own_pieces(layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, 
     own_pieces(layout, flat, rank).copy_(shard.view(layout.num_buckets, layout.chunk))
 
 
+def narrow_own_pieces(layout: FlatLayout, src: torch.Tensor, flat: torch.Tensor, rank: int) -> None:
+    """This rank's pieces of ``flat`` <- ``src`` ((num_buckets, chunk), wider), where ``src`` is this rank's pieces
+    of the same memory seen in a wider dtype. Bucket by bucket in increasing order: piece b of the narrow view ends
+    before piece b + 1 of the wide one starts, so no copy overwrites a source not yet read; a piece that overlaps
+    its own source (rank 0's first) goes through a copy."""
+    for b in range(layout.num_buckets):
+        dest, source = layout.piece(flat, b, rank), src[b]
+        dest.copy_(source.clone() if _overlap(dest, source) else source)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors intersect."""
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def check_nonfinite(nonfinite: str) -> None:
     if nonfinite not in ("skip", "error"):
         raise ValueError(f"nonfinite must be 'skip' or 'error', got {nonfinite!r}")
@@ -63,18 +85,19 @@ class Round:
         shard: ShardOptimizer,
         max_grad_norm: float | None = None,
         nonfinite: str = "skip",
+        shard_grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda grads: None,
     ) -> None:
         self.layout, self.comm, self.shard = layout, comm, shard
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.rank = comm.rank
-        # The global norm's pieces, made once: a view of the shard gradient per run of one parameter in one bucket.
-        # Pieces come in shard order, so a parameter's pieces are consecutive: summed as segments (deterministic
-        # on every device, in the order a loop would add them), one segment per parameter this rank holds.
-        pieces = layout.shard_param_pieces(comm.rank)
-        device = shard.grad.device
-        self._piece_views = [shard.grad[a:b] for _, a, b in pieces]
-        runs = [(i, len(list(run))) for i, run in itertools.groupby(i for i, _, _ in pieces)]
+        self.shard_grad_of = shard_grad_of  # where a round's buffer keeps the shard gradient (None: the shard's own)
+        # The global norm's pieces: a run of one parameter in one bucket each. Pieces come in shard order, so a
+        # parameter's pieces are consecutive: summed as segments (deterministic on every device, in the order a
+        # loop would add them), one segment per parameter this rank holds.
+        self._pieces = layout.shard_param_pieces(comm.rank)
+        device = shard.master.device
+        runs = [(i, len(list(run))) for i, run in itertools.groupby(i for i, _, _ in self._pieces)]
         if len({i for i, _ in runs}) != len(runs):
             raise AssertionError("a parameter's shard pieces are not consecutive")  # FlatLayout's invariant
         self._owned = torch.tensor([i for i, _ in runs], dtype=torch.long, device=device)
@@ -127,14 +150,19 @@ class Round:
                 "The global weight of an ACCO round is 0 (no micro-batch or no tokens on any rank): check that "
                 "the dataset is not empty and that labels are not all masked."
             )
-        # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums (into fp32); from here on
-        # ``buf``, the parameters' view of the same memory, is free for the output
-        comm.reduce_scatter(layout, grads, shard.grad)
+        # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums, in fp32, into the round's
+        # buffer where it has room (its own pieces, or beside them); from here on the rest of the buffer is free for
+        # the output, and this rank's output pieces once the update has read the gradient
+        grad = shard.use_grad(self.shard_grad_of(grads))
+        comm.reduce_scatter(layout, grads, grad)
         if total_weight <= 0:  # a rendezvous round in which no rank had a micro-batch: no update (same everywhere)
             norm, skipped = torch.zeros(1, device=buf.device), False
             put_own_pieces(layout, buf, shard.master, self.rank)
         else:
-            norm, skipped = self._update(kind, buf, total_weight, hparams)  # 3.-6.
+            # an output narrower than the gradient it overwrites (a bf16 model, fp32 on the wire, the gradient in
+            # this rank's own pieces): the update is computed in place of the gradient first, then rounded
+            narrow = buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()
+            norm, skipped = self._update(kind, buf, total_weight, hparams, narrow)  # 3.-6.
         # 7. all-gather
         comm.all_gather(layout, None, buf)
         if buf.is_cuda:  # the round's duration is that of its kernels, not of their launch (work.wait() does not
@@ -143,7 +171,7 @@ class Round:
         return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined), skipped)
 
     def _update(
-        self, kind: RoundKind, buf: torch.Tensor, total_weight: float, hparams: list
+        self, kind: RoundKind, buf: torch.Tensor, total_weight: float, hparams: list, narrow: bool = False
     ) -> tuple[torch.Tensor, bool]:
         """Average, norm, clip, update; this rank's pieces of ``buf`` get the result. (norm, skipped)."""
         layout, shard = self.layout, self.shard
@@ -167,6 +195,9 @@ class Round:
         if kind is RoundKind.COMMIT:
             shard.commit(hparams)
             put_own_pieces(layout, buf, shard.master, self.rank)
+        elif narrow:  # the look-ahead in fp32 in place of the gradient, then rounded into the output's pieces
+            shard.estimate(hparams, shard.grad)
+            narrow_own_pieces(layout, shard.grad, buf, self.rank)
         else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
             shard.estimate(hparams, own_pieces(layout, buf, self.rank))
         return norm, skipped
@@ -176,8 +207,10 @@ class Round:
         for parameters held by one rank): each rank adds its part of each parameter's squared norm."""
         grad = self.shard.grad
         partial = torch.zeros(len(self.layout.params), dtype=grad.dtype, device=grad.device)
-        if self._piece_views:  # one fused call over every piece, not a Python loop
-            squares = torch.stack(torch._foreach_norm(self._piece_views)).square()
+        if self._pieces:  # one fused call over every piece, not a Python loop
+            chunk = self.layout.chunk
+            views = [grad[a // chunk, a % chunk : a % chunk + (b - a)] for _, a, b in self._pieces]
+            squares = torch.stack(torch._foreach_norm(views)).square()
             partial[self._owned] = torch.segment_reduce(squares, "sum", lengths=self._segments, unsafe=True)
         self.comm.all_reduce(partial)
         return torch.linalg.vector_norm(partial.sqrt()).reshape(1)

@@ -211,6 +211,7 @@ class ACCOTrainer(Trainer):
             auto_step=_setting(args, "acco_accumulation", "fixed") == "dynamic",  # steps decoupled from Trainer's
             nonfinite=_setting(args, "acco_nonfinite", "skip"),
             comm_dtype=_setting(args, "acco_comm_dtype", "fp32"),
+            grad_dtype=_setting(args, "acco_grad_dtype", "fp32"),
             **optimizer_kwargs,
         )
         # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)

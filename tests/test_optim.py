@@ -33,8 +33,8 @@ def test_estimate_leaves_state_bit_identical_and_equals_the_commit(cls, kw) -> N
     opt, hparams = _make(cls, kw)
     out = torch.empty(100)
     for i in range(5):
-        opt.grad.copy_(torch.randn(100))
-        opt.grad[98:] = 0
+        opt.grad.view(-1).copy_(torch.randn(100))
+        opt.grad.view(-1)[98:] = 0
         master = opt.master.clone()
         flat, scalars = copy.deepcopy(opt.state_tensors())
         opt.estimate(hparams, out)
@@ -52,15 +52,46 @@ def test_estimate_leaves_state_bit_identical_and_equals_the_commit(cls, kw) -> N
 def test_estimate_into_strided_pieces() -> None:
     """The round writes the estimate straight into this rank's pieces of the communication buffer."""
     opt, hparams = _make(torch.optim.AdamW, CASES[0][1], piece_numel=25)
-    opt.grad.copy_(torch.randn(100))
+    opt.grad.copy_(torch.randn(4, 25))
     opt.commit(hparams)
     buffer = torch.zeros(4, 2, 25)  # 4 buckets x 2 ranks x 25: rank 0's pieces are buffer[:, 0]
-    opt.grad.copy_(torch.randn(100))
+    opt.grad.copy_(torch.randn(4, 25))
     contiguous = torch.empty(100)
     opt.estimate(hparams, contiguous)
     opt.estimate(hparams, buffer[:, 0])
     assert torch.equal(buffer[:, 0].reshape(-1), contiguous)
     assert torch.all(buffer[:, 1] == 0)
+
+
+@pytest.mark.parametrize(("cls", "kw"), CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_updates_read_a_gradient_in_a_rounds_buffer_and_the_estimate_may_overwrite_it(cls, kw) -> None:
+    """A round keeps the shard gradient in this rank's pieces of its buffer and writes the estimate over it."""
+    kept, hparams = _make(cls, kw, piece_numel=25)
+    placed, _ = _make(cls, kw, piece_numel=25)
+    buffer = torch.zeros(4, 2, 25)  # rank 1's pieces hold the gradient
+    for i in range(3):
+        grad = torch.randn(4, 25)
+        kept.grad.copy_(grad)
+        buffer[:, 1] = grad
+        placed.use_grad(buffer[:, 1])
+        if i == 1:  # an estimate over its own gradient: the same values as into a separate output
+            out = torch.empty(100)
+            kept.estimate(hparams, out)
+            placed.estimate(hparams, buffer[:, 1])
+            assert torch.equal(buffer[:, 1].reshape(-1), out)
+            assert torch.all(buffer[:, 0] == 0)
+            continue
+        kept.commit(hparams)
+        placed.commit(hparams)
+        assert torch.equal(kept.master, placed.master)
+
+
+def test_optimizer_without_a_gradient_of_its_own_needs_one() -> None:
+    master = torch.randn(100)
+    opt = ShardOptimizer(master, SEGMENTS, [{"lr": 0.1}, {"lr": 0.1}], torch.optim.SGD, {}, 25, keep_grad=False)
+    assert opt.own_grad is None
+    with pytest.raises(AssertionError, match="no gradient of its own"):
+        opt.use_grad(None)
 
 
 def test_weight_decay_is_per_element() -> None:

@@ -47,7 +47,7 @@ class FakeComm:
 
     def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
         self.calls.append("reduce_scatter")
-        shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0].reshape(-1))
+        shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0])  # shard: (num_buckets, chunk)
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
         self.calls.append("all_gather")  # one rank: its pieces are already in place

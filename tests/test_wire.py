@@ -103,3 +103,69 @@ def test_an_unknown_wire_dtype_is_refused() -> None:
     assert parse_comm_dtype("bf16") is torch.bfloat16 and parse_comm_dtype(torch.float32) is torch.float32
     with pytest.raises(ValueError, match="comm_dtype must be 'fp32' or 'bf16', got 'fp8'"):
         parse_comm_dtype("fp8")
+
+
+def _train_placed(
+    rank: int, world_size: int, schedule: str, comm_dtype: str, model_dtype, separate: bool, grad_dtype: str = "fp32"
+) -> dict:
+    """``train``'s run, with the shard gradient in the round's buffer (as built) or, ``separate``, held apart."""
+    if separate:  # this process only (a forked rank): every round gets a shard gradient of the optimizer's own
+        import hf_acco.buffers
+
+        hf_acco.buffers.shard_grad_room = lambda *args: None
+    model = tiny_llama().to(model_dtype)
+    opt = ACCOOptimizer(
+        decay_groups(model, 0.1), schedule=schedule, micro_batches=MICRO, max_grad_norm=CLIP, comm_dtype=comm_dtype,
+        grad_dtype=grad_dtype, bucket_numel=3000, **HP,
+    )  # fmt: skip
+    room = opt.buffers.grad_room
+    for t in range(4):
+        for i in range(MICRO):
+            mean_loss(model, batch(rank, t * MICRO + i))[0].backward()
+            opt.after_backward()
+        opt.step()
+    opt.synchronize()
+    out = {"room": room, "params": [p.detach().clone() for p in model.parameters()], "master": opt.shard.master}
+    out["state"] = list(opt.shard.state_tensors()[0].values())
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world_size", "schedule", "comm_dtype", "model_dtype", "room"),
+    [(2, "acco", "fp32", torch.float32, "own"), (2, "sync", "fp32", torch.float32, "own"),
+     (2, "acco", "fp32", torch.bfloat16, "own"), (4, "acco", "bf16", torch.bfloat16, "beside"),
+     (4, "dpu", "bf16", torch.bfloat16, "beside")],
+)  # fmt: skip
+def test_the_shard_gradient_in_the_rounds_buffer_gives_the_bits_of_one_held_apart(
+    world_size: int, schedule: str, comm_dtype: str, model_dtype: torch.dtype, room: str
+) -> None:
+    """No shard-sized gradient is held for the run; where the round keeps it instead changes no bit (the estimate
+    written over its own gradient, a bf16 output rounded over fp32 gradients, bf16 pieces beside fp32 ones)."""
+    kwargs = {"world_size": world_size, "schedule": schedule, "comm_dtype": comm_dtype, "model_dtype": model_dtype}
+    placed = run_ranks(_train_placed, separate=False, **kwargs)
+    apart = run_ranks(_train_placed, separate=True, **kwargs)
+    for p, a in zip(placed, apart):
+        assert (p["room"], a["room"]) == (room, None)
+        for x, y in zip(p["params"] + [p["master"]] + p["state"], a["params"] + [a["master"]] + a["state"]):
+            assert torch.equal(x, y)
+
+
+def test_bf16_accumulation_halves_the_buffer_and_trains_close_to_fp32() -> None:
+    kwargs = {"world_size": 4, "schedule": "acco", "comm_dtype": "bf16", "model_dtype": torch.bfloat16}
+    bf16 = run_ranks(_train_placed, separate=False, grad_dtype="bf16", **kwargs)
+    fp32 = run_ranks(_train_placed, separate=False, **kwargs)
+    assert bf16[0]["room"] == "beside"  # bf16 sums, bf16 wire, bf16 model: the round's buffer holds it too
+    assert all(torch.equal(a, b) for a, b in zip(bf16[0]["params"], bf16[3]["params"]))
+    masters = torch.cat([r["master"] for r in bf16]), torch.cat([r["master"] for r in fp32])
+    # rounding each micro-batch's sum to bf16 (4 per step here) moves the result by about a bf16 step, not more
+    change = (masters[0] - masters[1]).norm() / masters[1].norm()
+    assert 0 < change < 1e-2
+
+
+@pytest.mark.parametrize(("comm_dtype", "model_dtype"), [("fp32", torch.bfloat16), ("bf16", torch.float32)])
+def test_bf16_accumulation_is_refused_where_it_does_not_apply(comm_dtype: str, model_dtype: torch.dtype) -> None:
+    model = tiny_llama().to(model_dtype)
+    with pytest.raises(ValueError, match="grad_dtype='bf16' .* is for bf16 models with comm_dtype='bf16'"):
+        ACCOOptimizer(model.parameters(), comm_dtype=comm_dtype, grad_dtype="bf16", lr=1e-3)
+    assert all(p.grad is None and not p._post_accumulate_grad_hooks for p in model.parameters())
