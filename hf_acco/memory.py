@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
+from .optim import ESTIMATE_TEMPORARIES, estimate_window
 from .sharding import FlatLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_STATE_PER_ELEMENT = 2  # exp_avg, exp_avg_sq
-_ESTIMATE_TEMPORARIES = 5  # fp32 windows the Adam estimate holds at once (m, v, denominator, L2 grad, narrow output)
 
 
 @dataclass
@@ -82,8 +82,8 @@ def engine_memory(
         "shard gradient (fp32; 0: in the round's buffer)": 0 if room else shard * SHARD_GRAD_DTYPE.itemsize,
         "optimizer state shard (fp32)": state_per_element * shard * fp32,
     }
-    window = min(shard, 1 << 24)  # optim._ESTIMATE_WINDOW
-    temporaries = {"round: Adam estimate windows": _ESTIMATE_TEMPORARIES * window * fp32}
+    window = min(shard, estimate_window(shard))
+    temporaries = {"round: Adam estimate windows": ESTIMATE_TEMPORARIES * window * fp32}
     host = {  # a resume stages through the accumulation buffer (free at a step boundary): nothing more
         "boundary shard (fp32, for mid-step checkpoints)": shard * fp32,
         "evaluation / saving: backup of the model's parameters (model dtype, full)": full * param_dtype.itemsize,

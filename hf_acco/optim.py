@@ -34,7 +34,14 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.ASGD,
 )
 
-_ESTIMATE_WINDOW = 1 << 24  # elements per window of the out-of-place Adam estimate (bounds its temporaries)
+ESTIMATE_TEMPORARIES = 5  # window-sized fp32 temporaries of the Adam estimate at once (m, v, denominator, an L2
+# gradient, a narrow output)
+
+
+def estimate_window(shard_numel: int) -> int:
+    """Elements per window of the out-of-place Adam estimate: its temporaries stay within one shard's size, and
+    the number of windows (of foreach calls) stays small: at most 16M elements, at least 1M."""
+    return max(1 << 20, min(1 << 24, shard_numel // ESTIMATE_TEMPORARIES))
 
 
 def check_elementwise(optimizer_cls: type, allow_custom: bool = False) -> None:
@@ -92,9 +99,10 @@ class ShardOptimizer:
             groups[seg.group]["params"].append(p)
         self.inner = optimizer_cls(groups, **defaults)
         self._flat_state: dict[str, torch.Tensor] = {}  # per-element state keys, as shard-sized vectors
+        self._grad_views: dict[int, list[torch.Tensor]] = {}
         if self.own_grad is not None:
             self.use_grad(None)
-        self._windows = _estimate_windows(self.segments, self.piece_numel)
+        self._windows = _estimate_windows(self.segments, estimate_window(master.numel()))
         covered = [(seg.start, seg.end) for seg in self.segments]
         self._padding = [
             piece for a, b in _gaps(covered, master.numel()) for piece in _chunks(a, b, self.piece_numel)
@@ -106,11 +114,14 @@ class ShardOptimizer:
         grad = self.own_grad if grad is None else grad
         if grad is None:
             raise AssertionError("this shard optimizer holds no gradient of its own: pass one")
-        if grad is not self.grad:
-            for p, seg in zip(self._seg_params, self.segments):
-                p.grad = _piece_range(grad, seg.start, seg.end, self.piece_numel)
+        key = (grad.data_ptr(), grad.stride())
+        if self.grad is None or key != (self.grad.data_ptr(), self.grad.stride()):
+            if key not in self._grad_views:  # views of each place a gradient lives (two buffers swap), made once
+                self._grad_views[key] = [_piece_range(grad, s.start, s.end, self.piece_numel) for s in self.segments]
+            for p, view in zip(self._seg_params, self._grad_views[key]):
+                p.grad = view
             self.grad = grad
-        return grad
+        return self.grad
 
     # ---- updates ------------------------------------------------------------------------------------------
 
@@ -188,7 +199,7 @@ class ShardOptimizer:
     def _adam_estimate(self, out: torch.Tensor) -> None:
         """Adam/AdamW's update, the same elementary ops in the same order as torch's, out of place.
 
-        Window by window (at most ``_ESTIMATE_WINDOW`` elements, which bounds the temporaries), one foreach call
+        Window by window (``estimate_window`` elements at most, which bounds the temporaries), one foreach call
         per operation over the window's runs of one parameter group: the number of calls does not grow with the
         number of parameters."""
         pn = self.piece_numel
@@ -278,16 +289,16 @@ def _gaps(runs: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(ends, starts) if a < b]
 
 
-def _estimate_windows(segments: Sequence[Segment], piece_numel: int) -> list[dict[int, list[tuple[int, int]]]]:
-    """Consecutive runs of at most ``_ESTIMATE_WINDOW`` elements in all, by parameter group, in shard order."""
+def _estimate_windows(segments: Sequence[Segment], window: int) -> list[dict[int, list[tuple[int, int]]]]:
+    """Consecutive runs of at most ``window`` elements in all, by parameter group, in shard order."""
     windows: list[dict[int, list[tuple[int, int]]]] = [{}]
-    room = _ESTIMATE_WINDOW
+    room = window
     for seg in segments:
         a = seg.start
         while a < seg.end:
             if room == 0:
                 windows.append({})
-                room = _ESTIMATE_WINDOW
+                room = window
             b = min(seg.end, a + room)
             windows[-1].setdefault(seg.group, []).append((a, b))
             room -= b - a

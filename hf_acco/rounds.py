@@ -96,6 +96,7 @@ class Round:
         # parameter's pieces are consecutive: summed as segments (deterministic on every device, in the order a
         # loop would add them), one segment per parameter this rank holds.
         self._pieces = layout.shard_param_pieces(comm.rank)
+        self._piece_views: dict[int, list[torch.Tensor]] = {}  # by the gradient's address
         device = shard.master.device
         runs = [(i, len(list(run))) for i, run in itertools.groupby(i for i, _, _ in self._pieces)]
         if len({i for i, _ in runs}) != len(runs):
@@ -208,9 +209,11 @@ class Round:
         grad = self.shard.grad
         partial = torch.zeros(len(self.layout.params), dtype=grad.dtype, device=grad.device)
         if self._pieces:  # one fused call over every piece, not a Python loop
-            chunk = self.layout.chunk
-            views = [grad[a // chunk, a % chunk : a % chunk + (b - a)] for _, a, b in self._pieces]
-            squares = torch.stack(torch._foreach_norm(views)).square()
+            if grad.data_ptr() not in self._piece_views:  # made once for each place the gradient lives
+                chunk = self.layout.chunk
+                views = [grad[a // chunk, a % chunk : a % chunk + (b - a)] for _, a, b in self._pieces]
+                self._piece_views[grad.data_ptr()] = views
+            squares = torch.stack(torch._foreach_norm(self._piece_views[grad.data_ptr()])).square()
             partial[self._owned] = torch.segment_reduce(squares, "sum", lengths=self._segments, unsafe=True)
         self.comm.all_reduce(partial)
         return torch.linalg.vector_norm(partial.sqrt()).reshape(1)

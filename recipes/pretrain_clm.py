@@ -31,11 +31,13 @@ from transformers import (
     HfArgumentParser,
     PreTrainedTokenizerFast,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     default_data_collator,
 )
 
 from hf_acco import ACCOConfig, ACCOTrainer
+from hf_acco.bench.worker import bf16_wire_hook
 from hf_acco.lambada import encode_pair, load_jsonl_texts, score, split_context_target
 from hf_acco.trainer import check_ddp_wrapped
 
@@ -66,6 +68,10 @@ class ScriptArguments:
     lambada_path: str = field(default=str(SHARED / "lambada" / "lambada_openai_test.jsonl"),
                               metadata={"help": "LAMBADA JSONL for the final evaluation ('' to skip)."})  # fmt: skip
     lambada_docs: int = field(default=500, metadata={"help": "LAMBADA passages to score (0: all)."})
+    ddp_bf16_hook: bool = field(
+        default=False,
+        metadata={"help": "ddp: average gradients in bf16 on the wire (the baseline for acco_comm_dtype=bf16)"},
+    )
 
 
 def load_tokenizer(name: str):
@@ -111,6 +117,26 @@ def lambada(model, tokenizer, path: str, docs: int, trainer: Trainer) -> dict:
             "lambada_docs": int(totals[2])}  # fmt: skip
 
 
+def _wire(script_args: ScriptArguments, training_args: TrainingArguments) -> str:
+    """The gradients' dtype on the wire."""
+    bf16 = script_args.ddp_bf16_hook or getattr(training_args, "acco_comm_dtype", "fp32") == "bf16"
+    return "bf16" if bf16 else "fp32"
+
+
+class BF16WireHook(TrainerCallback):
+    """Registers the bf16 compression hook on the DDP-wrapped model once Trainer has wrapped it (before the first
+    backward): Trainer has no setting for DDP communication hooks, and torch's own hook refuses gloo by name."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.registered = trainer, False
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - TrainerCallback's signature
+        wrapped = self.trainer.model_wrapped
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and not self.registered:
+            wrapped.register_comm_hook(None, bf16_wire_hook)
+            self.registered = True
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = DEFAULT_TRAINING_ARGS + list(sys.argv[1:] if argv is None else argv)
     script_args, training_args = HfArgumentParser((ScriptArguments, ACCOConfig)).parse_args_into_dataclasses(argv)
@@ -135,7 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
     # 3. train, evaluating the held-out loss every eval_steps
     trainer = trainer_cls(model=model, args=training_args, train_dataset=train_ds, eval_dataset=val_ds,
                           data_collator=default_data_collator)  # fmt: skip
+    if script_args.ddp_bf16_hook:
+        if script_args.method != "ddp":
+            raise ValueError("--ddp_bf16_hook is for --method ddp; ACCO's own choice is --acco_comm_dtype bf16")
+        trainer.add_callback(hook := BF16WireHook(trainer))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if script_args.ddp_bf16_hook and training_args.world_size > 1 and not hook.registered:
+        raise RuntimeError("--ddp_bf16_hook: Trainer did not wrap the model in DDP, so no hook was registered")
     if script_args.method == "ddp" and training_args.world_size > 1:
         check_ddp_wrapped(trainer)
     final = trainer.evaluate()
@@ -155,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         "final_val_ppl": math.exp(final["eval_loss"]),
         "train_losses": [[h["step"], h["loss"]] for h in trainer.state.log_history if "loss" in h],
         "warmup_steps": getattr(training_args, "acco_warmup_steps", 0),
+        "wire": _wire(script_args, training_args),
     }
     if script_args.lambada_path and os.path.isfile(script_args.lambada_path):
         metrics.update(lambada(trainer.model, tokenizer, script_args.lambada_path, script_args.lambada_docs, trainer))

@@ -124,3 +124,48 @@ def test_cuda_round_duration_covers_its_kernels() -> None:
     (the dynamic half policy plans with it, and ``acco_round_s`` reports it)."""
     seconds = run_ranks(cuda_round_duration, world_size=1, backend="nccl", start_method="spawn", timeout=300)[0]
     assert seconds >= 0.8 * 0.2, seconds  # the round's kernels alone take about 0.2 s
+
+
+def cuda_placed(rank: int, world_size: int, comm_dtype: str, grad_dtype: str, separate: bool) -> dict:
+    """A bf16 model on one GPU, NCCL's real collectives; the shard gradient where the engine puts it (the fp32
+    round buffer's own pieces: NCCL's in-place reduce-scatter, the estimate over its own gradient, rounded into
+    bf16) or, ``separate``, held apart."""
+    if separate:  # this spawned process only
+        import hf_acco.buffers
+
+        hf_acco.buffers.shard_grad_room = lambda *args: None
+    model = tiny_llama().cuda().to(torch.bfloat16)
+    opt = ACCOOptimizer(
+        decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5, comm_dtype=comm_dtype,
+        grad_dtype=grad_dtype, communicator=DelayedCommunicator(0.005, collectives_at_world_size_1=True), **HP,
+    )  # fmt: skip
+    room, accum = opt.buffers.grad_room, opt.buffers.accum.dtype
+    for t in range(STEPS):
+        for i in range(MICRO):
+            b = {k: v.cuda() for k, v in batch(0, t * MICRO + i).items()}
+            mean_loss(model, b)[0].backward()
+            opt.after_backward()
+        opt.step()
+    with opt.committed_parameters():
+        out = [p.detach().cpu().clone() for p in model.parameters()]
+    opt.close()
+    return {"room": room, "accum": accum, "params": out}
+
+
+def _placed(**kwargs) -> dict:
+    return run_ranks(cuda_placed, world_size=1, backend="nccl", start_method="spawn", timeout=300, **kwargs)[0]
+
+
+def test_cuda_shard_gradient_in_the_rounds_buffer_changes_no_bit() -> None:
+    placed = _placed(comm_dtype="fp32", grad_dtype="fp32", separate=False)
+    apart = _placed(comm_dtype="fp32", grad_dtype="fp32", separate=True)
+    assert (placed["room"], apart["room"]) == ("own", None)
+    assert all(torch.equal(a, b) for a, b in zip(placed["params"], apart["params"]))
+
+
+def test_cuda_bf16_wire_and_bf16_accumulation_train() -> None:
+    got = _placed(comm_dtype="bf16", grad_dtype="bf16", separate=False)
+    assert got["accum"] == torch.bfloat16
+    assert all(torch.isfinite(p).all() for p in got["params"])
+    start = [p.detach().to(torch.bfloat16).float() for p in tiny_llama().parameters()]
+    assert relative_error([p.float() for p in got["params"]], start) > 1e-3  # it trained
