@@ -14,7 +14,7 @@ The round also keeps this rank's fp32 shard of the reduced gradient inside its b
 * ``"own"``: the buffer is fp32 with fp32 gradients: the reduce-scatter sums into this rank's own pieces of each
   bucket (NCCL's in-place rule) and the optimizer reads them there.
 * ``"beside"``: a 2-byte buffer (bf16 on the wire and a bf16 model) on 4 ranks or more: each bucket's fp32 piece
-  takes the bytes of two pieces of other ranks next to this rank's own, dead from the bucket's reduce-scatter until
+  takes the bytes of two pieces of other ranks (2 and 3, or 0 and 1), dead from the bucket's reduce-scatter until
   the all-gather, and never where this rank's output goes.
 * ``None``: anything else (an fp32 model with bf16 on the wire; bf16 buffers on 2-3 ranks): the shard optimizer
   keeps a shard-sized fp32 gradient of its own.
@@ -22,6 +22,8 @@ The round also keeps this rank's fp32 shard of the reduced gradient inside its b
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +44,7 @@ def parse_comm_dtype(value: str | torch.dtype, what: str = "comm_dtype") -> torc
 
 
 ACCUM_DTYPE = torch.float32  # gradients accumulate in fp32 by default
+_OWNERS: dict[int, weakref.ref] = {}  # id(parameter) -> the BufferPair last hooked on it
 SHARD_GRAD_DTYPE = torch.float32  # the reduced shard gradient the optimizer reads
 
 
@@ -83,8 +86,8 @@ def shard_grad_room(buffer_dtype: torch.dtype, comm_dtype: torch.dtype, world_si
     """Where a round keeps its fp32 shard gradient in a buffer of ``buffer_dtype`` (see the module's docstring)."""
     if buffer_dtype == SHARD_GRAD_DTYPE and comm_dtype == SHARD_GRAD_DTYPE:
         return "own"
-    # two 2-byte pieces hold one fp32 piece; an even chunk keeps the fp32 view 4-byte aligned
-    if buffer_dtype.itemsize == 2 and comm_dtype == buffer_dtype and world_size >= 4 and chunk % 2 == 0:
+    # two 2-byte pieces hold one fp32 piece; an even bucket keeps every row of the fp32 view 4-byte aligned
+    if buffer_dtype.itemsize == 2 and comm_dtype == buffer_dtype and world_size >= 4 and world_size * chunk % 2 == 0:
         return "beside"
     return None
 
@@ -137,8 +140,8 @@ class BufferPair:
         layout, rank = self.layout, self.rank
         if self.grad_room == "own":
             return buf.view(layout.num_buckets, layout.world_size, layout.chunk)[:, rank]
-        if self.grad_room == "beside":  # pieces rank+1 and rank+2, or 0 and 1 for the last two ranks
-            first = rank + 1 if rank + 2 < layout.world_size else 0
+        if self.grad_room == "beside":  # pieces 2 and 3 for ranks 0 and 1, pieces 0 and 1 for the others
+            first = 2 if rank < 2 else 0  # an even piece: 4-byte aligned whatever the chunk's parity
             row = buf.view(torch.uint8).view(layout.num_buckets, layout.bucket_size * buf.itemsize)
             start = first * layout.chunk * buf.itemsize
             return row[:, start : start + layout.chunk * SHARD_GRAD_DTYPE.itemsize].view(SHARD_GRAD_DTYPE)
@@ -160,9 +163,26 @@ class BufferPair:
 
     def attach(self) -> None:
         """From now on every backward adds the parameters' gradients into ``accum`` (call it last when building
-        the engine: a failed build must leave the model's autograd untouched)."""
-        if not self._hooks:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.params]
+        the engine: a failed build must leave the model's autograd untouched). An earlier engine's hooks on the same
+        parameters are released first: each gradient can go to one engine only."""
+        if self._hooks:
+            return
+        earlier = {}
+        for p in self.params:
+            owner = _OWNERS[id(p)]() if id(p) in _OWNERS else None
+            if owner is not None and owner is not self and owner._hooks and id(p) in owner._views_of[id(owner.accum)]:
+                earlier[id(owner)] = owner
+        for owner in earlier.values():
+            warnings.warn(
+                "An ACCO optimizer built earlier on these parameters was still attached (never closed); its "
+                "gradient hooks are released so that the new one gets the gradients. Call close() on an optimizer "
+                "you are done with (ACCOTrainer does when training ends).",
+                stacklevel=3,
+            )
+            owner.release()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.params]
+        for p in self.params:
+            _OWNERS[id(p)] = weakref.ref(self)
 
     def check_devices(self) -> None:
         for p, name in zip(self.params, self.layout.names):

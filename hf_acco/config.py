@@ -18,12 +18,40 @@ warn_if_untested("transformers")
 warn_if_untested("accelerate")
 
 
+def splits_batches(args: TrainingArguments) -> bool:
+    """Whether each micro-batch is split in two along the batch dimension to make an acco step's two halves (fixed
+    accumulation with one micro-batch per step)."""
+    fixed_acco = (
+        getattr(args, "acco_schedule", "acco") == "acco" and getattr(args, "acco_accumulation", "fixed") == "fixed"
+    )
+    return fixed_acco and args.gradient_accumulation_steps == 1
+
+
+def engine_micro_batches(args: TrainingArguments) -> int:
+    """Micro-batches per optimizer step as the engine counts them (two half-batches for a split window)."""
+    return 2 if splits_batches(args) else args.gradient_accumulation_steps
+
+
+def check_halves(args: TrainingArguments) -> None:
+    """A window of one sample cannot make two halves: say what to change."""
+    if splits_batches(args) and args.per_device_train_batch_size < 2:
+        raise ValueError(
+            "With acco_schedule='acco' and fixed accumulation each optimizer step has two halves; one micro-batch "
+            "of one sample (per_device_train_batch_size=1, gradient_accumulation_steps=1) cannot be split. Use "
+            "gradient_accumulation_steps >= 2 or per_device_train_batch_size >= 2, or acco_schedule='sync' / "
+            "'dpu' (one half per step), or acco_accumulation='dynamic'."
+        )
+
+
 @dataclass
 class ACCOConfig(TrainingArguments):
     """[`~transformers.TrainingArguments`] for [`ACCOTrainer`].
 
-    ``gradient_accumulation_steps`` is the number of micro-batches per optimizer step per rank; with
-    ``acco_schedule="acco"`` and fixed accumulation it must be even (half of them per half), so it defaults to 2.
+    Trainer's defaults are kept: ``gradient_accumulation_steps`` (default 1) is the number of micro-batches per
+    optimizer step per rank, as for Trainer. With ``acco_schedule="acco"`` and fixed accumulation the step's two
+    halves come from that window unchanged: ``k // 2`` micro-batches in the first half and the rest in the second
+    (1 + 2 for 3), and a window of one micro-batch is split along the batch dimension (its first
+    ``batch_size // 2`` rows, then the rest).
 
     Parameters:
         acco_schedule (`str`, *optional*, defaults to `"acco"`):
@@ -50,15 +78,14 @@ class ACCOConfig(TrainingArguments):
         acco_comm_dtype (`str`, *optional*, defaults to `"fp32"`):
             Gradients on the wire: `"fp32"` or `"bf16"` (half the bytes of the reduce-scatter; each rank's fp32
             sums rounded once). Parameters are all-gathered in the model's dtype either way.
+        acco_allow_custom_optimizer (`bool`, *optional*, defaults to `False`):
+            Accept an optimizer class given as `optimizer_cls_and_kwargs` that ACCO does not know to be element-wise
+            (you vouch that each element's update depends only on that element).
         acco_grad_dtype (`str`, *optional*, defaults to `"fp32"`):
             Gradient accumulation: `"fp32"`, or `"bf16"` for bf16 models with `acco_comm_dtype="bf16"` (half the
             accumulation buffer, for the largest models; each micro-batch's gradient is rounded as it is added).
     """
 
-    gradient_accumulation_steps: int = field(
-        default=2,
-        metadata={"help": "Micro-batches per optimizer step per rank (even for acco with fixed accumulation)."},
-    )
     acco_schedule: str = field(
         default="acco",
         metadata={
@@ -103,6 +130,10 @@ class ACCOConfig(TrainingArguments):
         metadata={"help": "Gradients on the wire: fp32 or bf16 (parameters go in the model's dtype).",
                   "choices": ["fp32", "bf16"]},
     )  # fmt: skip
+    acco_allow_custom_optimizer: bool = field(
+        default=False,
+        metadata={"help": "Accept an optimizer class (optimizer_cls_and_kwargs) not known to be element-wise."},
+    )
     acco_grad_dtype: str = field(
         default="fp32",
         metadata={"help": "Gradient accumulation: fp32, or bf16 (bf16 models with acco_comm_dtype=bf16).",
@@ -112,8 +143,9 @@ class ACCOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
         super().__post_init__()
+        check_halves(self)
         validate_settings(
-            self.acco_schedule, self.acco_accumulation, self.gradient_accumulation_steps, self.acco_min_micro_batches
+            self.acco_schedule, self.acco_accumulation, engine_micro_batches(self), self.acco_min_micro_batches
         )
         if self.acco_accumulation == "dynamic" and self.average_tokens_across_devices:
             # Trainer would all-gather token counts every step, holding fast ranks back to the slowest; ACCOTrainer

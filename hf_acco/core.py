@@ -173,6 +173,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._boundary = ShardCheckpoint(self.layout, self.comm, self.shard)  # the last step boundary, for state_dict
         self.step_count = 0  # committed optimizer steps launched
         self._in_eval, self._eval_backup = False, None  # committed θ loaded for evaluation; what it replaced
+        self._closed = False
         self._joined = False  # in a rendezvous: this rank computes nothing until every rank has joined
         self._restart_step()
         self.buffers.attach()  # last: if anything above raised, the model's gradients are as they were
@@ -327,12 +328,33 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._restart_step()
 
     def close(self) -> None:
-        """Drain the round in flight and release the background thread and the gradient hooks."""
+        """Drain the round in flight and release the background thread and the gradient hooks (``reopen`` takes
+        them again)."""
         try:
             self.synchronize()
         finally:
             self.rounds.shutdown()
             self.buffers.release()
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pristine(self) -> bool:
+        """Nothing accumulated, launched or stepped since it was built."""
+        counted = self._half_count or self._step_counts or self.buffers.hook_calls
+        return self.step_count == 0 and self.rounds.current is None and not counted
+
+    def reopen(self) -> None:
+        """After ``finalize()`` and ``close()``: train again with the same state (hooks and a thread again)."""
+        if not self._closed:
+            return
+        self.rounds.restart_runner()
+        self._restart_step()
+        self.buffers.attach()
+        self._closed = False
 
     # ---- state --------------------------------------------------------------------------------------------
 
@@ -379,7 +401,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         return schedule_at(self.schedule, self.step_count, self.warmup_steps)
 
     def _half_done(self) -> bool:
-        return self.halves.half_done(self._half_count, self._schedule_now(), self.rounds.current)
+        first = self.phase is Phase.ESTIMATE
+        return self.halves.half_done(self._half_count, self._schedule_now(), self.rounds.current, first)
 
     @torch.no_grad()
     def _boundary_estimate_to_correction(self) -> None:

@@ -1,7 +1,8 @@
 """When a half ends: fixed and dynamic accumulation, behind one question, "is this half done?" (pure Python).
 
-``FixedHalves``: a set number of micro-batches per half (``micro_batches // 2`` for acco, ``micro_batches`` for
-the one half of dpu and sync), the same on every rank: reproducible.
+``FixedHalves``: a set number of micro-batches per half (for acco ``micro_batches // 2`` in half A and the rest in
+half B, e.g. 1 + 2 for 3; ``micro_batches`` for the one half of dpu and sync), the same on every rank:
+reproducible.
 
 ``DynamicHalves``: each rank keeps computing micro-batches while the round in flight runs, and ends the half once
 it has finished, or is expected to finish within half of this rank's next micro-batch (starting one more would
@@ -49,16 +50,19 @@ def round_ends_soon(elapsed_s: float, round_s: Sequence[float], micro_batch_s: S
 
 
 class FixedHalves:
-    """``micro_batches`` per optimizer step per rank: half of them per half for acco, all of them otherwise."""
+    """``micro_batches`` per optimizer step per rank: for acco ``micro_batches // 2`` in half A (``first``) and the
+    rest in half B; all of them otherwise."""
 
     def __init__(self, micro_batches: int, min_micro_batches: int = 1, max_micro_batches: int | None = None) -> None:
         self.micro_batches = micro_batches
         self.min_micro_batches = min_micro_batches  # dynamic mode's bounds per half (unused here)
         self.max_micro_batches = max_micro_batches
 
-    def half_done(self, count: int, schedule: Schedule, inflight: InFlight | None) -> bool:
-        per_half = self.micro_batches // 2 if schedule is Schedule.ACCO else self.micro_batches
-        return count >= per_half
+    def half_done(self, count: int, schedule: Schedule, inflight: InFlight | None, first: bool = True) -> bool:
+        if schedule is not Schedule.ACCO:
+            return count >= self.micro_batches
+        half_a = self.micro_batches // 2
+        return count >= (half_a if first else self.micro_batches - half_a)
 
     # the timings only the dynamic policy uses
     def micro_batch_started(self) -> None:
@@ -93,9 +97,9 @@ class DynamicHalves(FixedHalves):
         self.round_s: deque[float] = deque(maxlen=4)  # and rounds
         self._started: float | None = None
 
-    def half_done(self, count: int, schedule: Schedule, inflight: InFlight | None) -> bool:
+    def half_done(self, count: int, schedule: Schedule, inflight: InFlight | None, first: bool = True) -> bool:
         if schedule is Schedule.SYNC:
-            return super().half_done(count, schedule, inflight)
+            return super().half_done(count, schedule, inflight, first)
         if count < self.min_micro_batches:
             return False
         if self.max_micro_batches is not None and count >= self.max_micro_batches:

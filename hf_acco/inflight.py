@@ -88,3 +88,8 @@ class RoundsInFlight:
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+
+    def restart_runner(self) -> None:
+        """A new background thread after ``shutdown`` (nothing is in flight then)."""
+        self.current = None
+        self.runner = RoundRunner(self.buffers.device)

@@ -8,7 +8,9 @@ buckets included), the buffer pair's dtypes (``buffers.comm_allocation``), where
 (``buffers.shard_grad_room``: in its buffer, else a tensor of its own), the shard optimizer's master and
 per-element state, the boundary shard (``ShardCheckpoint``). ``tests/test_memory.py`` checks them against the
 tensors a built engine really holds. Persistent: on the device for the whole run. Peak: persistent plus the
-largest temporary on the device (a round's estimate chunks; on gloo its all-to-all receive buffers). Host: the
+largest temporary on the device (a commit round's inner optimizer step: torch's foreach Adam allocates a
+shard-sized square root of the second moment; a round's estimate windows; on gloo its all-to-all receive
+buffers). Host: the
 boundary shard (for mid-step checkpoints) and, during evaluation and saving, a copy of the model's parameters in
 its dtype live in (pinned) host memory; a resume stages through the accumulation buffer.
 
@@ -83,7 +85,11 @@ def engine_memory(
         "optimizer state shard (fp32)": state_per_element * shard * fp32,
     }
     window = min(shard, estimate_window(shard))
-    temporaries = {"round: Adam estimate windows": ESTIMATE_TEMPORARIES * window * fp32}
+    temporaries = {
+        "round: Adam estimate windows": ESTIMATE_TEMPORARIES * window * fp32,
+        # torch's foreach Adam(W) (the CUDA default) allocates the square root of the second moment at once
+        "round: commit step (the inner optimizer's own temporaries)": shard * fp32,
+    }
     host = {  # a resume stages through the accumulation buffer (free at a step boundary): nothing more
         "boundary shard (fp32, for mid-step checkpoints)": shard * fp32,
         "evaluation / saving: backup of the model's parameters (model dtype, full)": full * param_dtype.itemsize,
@@ -102,7 +108,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         opt.layout.numel, opt.layout.world_size, param_dtype=opt.buffers.param_dtype,
         comm_dtype=opt.buffers.comm_dtype, grad_dtype=opt.buffers.accum.dtype, schedule=opt.schedule.value,
         backend=opt.comm.backend,
-        bucket_numel=opt.layout.bucket_size, state_per_element=len(opt.shard.state_tensors()[0]) or 2,
+        bucket_numel=opt.layout.bucket_numel, state_per_element=len(opt.shard.state_tensors()[0]) or 2,
         max_inflight=opt.comm.max_inflight,
     )  # fmt: skip
 

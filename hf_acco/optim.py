@@ -34,8 +34,8 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.ASGD,
 )
 
-ESTIMATE_TEMPORARIES = 5  # window-sized fp32 temporaries of the Adam estimate at once (m, v, denominator, an L2
-# gradient, a narrow output)
+ESTIMATE_TEMPORARIES = 6  # window-sized fp32 temporaries of the Adam estimate at once, at most (m, v, denominator,
+# an L2 gradient, a narrow output, and one of the previous window's while the next is allocated)
 
 
 def estimate_window(shard_numel: int) -> int:
@@ -44,15 +44,16 @@ def estimate_window(shard_numel: int) -> int:
     return max(1 << 20, min(1 << 24, shard_numel // ESTIMATE_TEMPORARIES))
 
 
-def check_elementwise(optimizer_cls: type, allow_custom: bool = False) -> None:
+def check_elementwise(
+    optimizer_cls: type, allow_custom: bool = False, how_to_allow: str = "pass allow_custom_optimizer=True"
+) -> None:
     if issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS) or allow_custom:
         return
     names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     raise ValueError(
         f"ACCO shards the optimizer state element by element, so it needs an element-wise optimizer; "
         f"{optimizer_cls.__name__} is not known to be one (LBFGS, Adafactor, Muon and SparseAdam look at whole "
-        f"tensors). Use one of: {names}. If your custom optimizer is element-wise, pass "
-        "allow_custom_optimizer=True."
+        f"tensors). Use one of: {names}. If your custom optimizer is element-wise, {how_to_allow}."
     )
 
 

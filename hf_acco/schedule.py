@@ -96,11 +96,11 @@ def check_counts(
     schedule: Schedule, accumulation: Accumulation, micro_batches: int, min_mb: int, max_mb: int | None
 ) -> None:
     if accumulation is Accumulation.FIXED:
-        if schedule is Schedule.ACCO and (micro_batches < 2 or micro_batches % 2):
+        if schedule is Schedule.ACCO and micro_batches < 2:
             raise ValueError(
-                f"ACCO with fixed accumulation splits each optimizer step into two equal halves, so "
-                f"micro_batches (gradient_accumulation_steps) must be even and >= 2; got {micro_batches}. "
-                f"Use {max(2, micro_batches + micro_batches % 2)}, or accumulation='dynamic'."
+                f"ACCO with fixed accumulation splits each optimizer step into two halves of at least one "
+                f"micro-batch each, so micro_batches must be >= 2; got {micro_batches}. Use 2 (ACCOTrainer splits "
+                "a window of one micro-batch along the batch dimension itself), or accumulation='dynamic'."
             )
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")

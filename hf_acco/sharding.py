@@ -90,6 +90,7 @@ class FlatLayout:
         self.world_size = world_size
         if bucket_numel is None:
             bucket_numel = auto_bucket_numel(self.numel, backend)
+        self.bucket_numel = bucket_numel  # as asked (or chosen): the buckets are at most this many elements
         self.num_buckets = max(1, math.ceil(self.numel / max(1, bucket_numel)))
         self.chunk = math.ceil(self.numel / (self.num_buckets * world_size))
         self.bucket_size = world_size * self.chunk

@@ -41,7 +41,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
 from .comm import Communicator, PeerFailure, check_world_size, is_peer_failure
-from .config import check_supported
+from .config import check_halves, check_supported, engine_micro_batches, splits_batches
 from .core import ACCOOptimizer
 from .optim import check_elementwise
 from .schedule import Accumulation, validate_settings
@@ -90,6 +90,9 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return None
 
 
+_ALLOW_CUSTOM = "set acco_allow_custom_optimizer=True and pass it as optimizer_cls_and_kwargs=(cls, kwargs)"
+
+
 def _setting(args: TrainingArguments, name: str, default: Any) -> Any:
     """ACCO settings from an ACCOConfig, or ACCO's defaults when given plain TrainingArguments."""
     return getattr(args, name, default)
@@ -102,10 +105,11 @@ class ACCOTrainer(Trainer):
         training_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
         if training_args is not None:
             check_supported(training_args)
+            check_halves(training_args)
             validate_settings(
                 _setting(training_args, "acco_schedule", "acco"),
                 _setting(training_args, "acco_accumulation", "fixed"),
-                training_args.gradient_accumulation_steps,
+                engine_micro_batches(training_args),
                 _setting(training_args, "acco_min_micro_batches", 1),
             )
             if training_args.n_gpu > 1:
@@ -124,7 +128,7 @@ class ACCOTrainer(Trainer):
             raise ValueError("train_dataset is empty: ACCO has nothing to train on. Check the data files and filters.")
         if self.optimizer_cls_and_kwargs is None:
             cls, _ = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
-            check_elementwise(cls)
+            check_elementwise(cls, _setting(self.args, "acco_allow_custom_optimizer", False), _ALLOW_CUSTOM)
         check_world_size(self.accelerator.num_processes)
         _agree_on_jit_checkpoints(self)
         self.acco: ACCOOptimizer | None = None
@@ -177,6 +181,18 @@ class ACCOTrainer(Trainer):
         return model
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        # Trainer calls this at every train(). The engine released its hooks and thread when the last training
+        # ended (_finalize_training): train() again goes on with the same engine and state, as Trainer goes on
+        # with its optimizer. An engine left mid-step by a failed attempt (Trainer's auto batch size retry) is
+        # released and replaced.
+        if self.acco is not None and self.optimizer is not None:
+            if self.acco.closed:
+                self.acco.reopen()
+                return self.optimizer
+            if self.acco.pristine:
+                return self.optimizer
+            self.acco.close()
+            self.optimizer = None
         if self.optimizer is not None:
             return self.optimizer
         opt_model = self.model if model is None else model
@@ -193,13 +209,15 @@ class ACCOTrainer(Trainer):
              "weight_decay": 0.0},
         ]  # fmt: skip
         args = self.args
+        check_elementwise(optimizer_cls, _setting(args, "acco_allow_custom_optimizer", False), _ALLOW_CUSTOM)
         _ensure_process_group(self.accelerator.device)
+        self._logged_totals = {}  # a new engine's figures start from zero
         self.acco = ACCOOptimizer(
             [g for g in groups if g["params"]],
             optimizer_cls=optimizer_cls,
             schedule=_setting(args, "acco_schedule", "acco"),
             accumulation=_setting(args, "acco_accumulation", "fixed"),
-            micro_batches=args.gradient_accumulation_steps,
+            micro_batches=engine_micro_batches(args),
             min_micro_batches=_setting(args, "acco_min_micro_batches", 1),
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             warmup_steps=_setting(args, "acco_warmup_steps", 0),
@@ -212,6 +230,7 @@ class ACCOTrainer(Trainer):
             nonfinite=_setting(args, "acco_nonfinite", "skip"),
             comm_dtype=_setting(args, "acco_comm_dtype", "fp32"),
             grad_dtype=_setting(args, "acco_grad_dtype", "fp32"),
+            allow_custom_optimizer=True,  # checked just above, with the advice that fits Trainer
             **optimizer_kwargs,
         )
         # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)
@@ -223,19 +242,26 @@ class ACCOTrainer(Trainer):
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        weight, scale = self._micro_batch_weight(inputs, num_items_in_batch)  # before compute_loss pops labels
-        self.acco.grad_scale = scale
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.acco.grad_scale = 1.0
-        self.acco.after_backward(weight)
-        return loss
+        # A window of one micro-batch under fixed acco: its two halves along the batch dimension (each half's
+        # gradient weighted by its share of the rows, so the step's gradient is the whole batch's)
+        parts = _split_rows(inputs) if splits_batches(self.args) else [(inputs, 1.0)]
+        total = None
+        for part, share in parts:
+            weight, scale = self._micro_batch_weight(part, num_items_in_batch, share)  # before labels are popped
+            self.acco.grad_scale = scale
+            loss = super().training_step(model, part, num_items_in_batch)
+            self.acco.grad_scale = 1.0
+            self.acco.after_backward(weight)
+            loss = loss if len(parts) == 1 else loss * scale
+            total = loss if total is None else total + loss
+        return total
 
     @property
     def _dynamic(self) -> bool:
         return self.acco is not None and self.acco.accumulation is Accumulation.DYNAMIC
 
     def _micro_batch_weight(
-        self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None
+        self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None, share: float = 1.0
     ) -> tuple[float, float]:
         """(weight, gradient scale) that undo Trainer's normalisation of this micro-batch's loss.
 
@@ -244,7 +270,8 @@ class ACCOTrainer(Trainer):
         Fixed mode: the same factor for every micro-batch of a step on every rank, so weight = factor x tokens
         makes the engine's sum / weight the exact token-weighted average, for each half as for the whole step.
         Dynamic mode: a step spans several of Trainer's windows, whose factors differ, so the gradient is scaled
-        back to a plain token sum and the weight is the token count.
+        back to a plain token sum and the weight is the token count. ``share``: the fraction of the micro-batch's
+        rows in this part of it (a window of one micro-batch split into two halves), for a mean loss.
         """
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
@@ -252,7 +279,7 @@ class ACCOTrainer(Trainer):
                 self.compute_loss_func is not None
             )
         if not scaled:
-            return 1.0 / self.current_gradient_accumulation_steps, 1.0
+            return share / self.current_gradient_accumulation_steps, share
         if num_items_in_batch is None:
             return 1.0, 1.0
         if "shift_labels" in inputs:
@@ -283,7 +310,8 @@ class ACCOTrainer(Trainer):
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         if self.acco is not None:
-            self.acco.finalize()
+            self.acco.finalize()  # the committed parameters in the model
+            self.acco.close()  # hooks and thread released: another trainer may train this model now
         return super()._finalize_training(*args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -386,6 +414,22 @@ def _agree_on_jit_checkpoints(trainer: Trainer) -> None:
         if manager is not None:
             callbacks.insert(i, _JITAgreement(trainer, manager))
             return
+
+
+def _split_rows(inputs: dict[str, Any]) -> list[tuple[dict[str, Any], float]]:
+    """A micro-batch as two halves along the batch dimension, with each one's share of the rows; one row stays
+    whole (a window that cannot be split ends its step early, as a short window does)."""
+    rows = next((v.shape[0] for v in inputs.values() if torch.is_tensor(v) and v.dim() > 0), 0)
+    if rows < 2:
+        return [(inputs, 1.0)]
+    cut = rows // 2
+
+    def part(lo: int, hi: int) -> dict[str, Any]:
+        return {
+            k: v[lo:hi] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v for k, v in inputs.items()
+        }
+
+    return [(part(0, cut), cut / rows), (part(cut, rows), (rows - cut) / rows)]
 
 
 def _ensure_process_group(device: torch.device) -> None:

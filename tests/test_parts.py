@@ -147,6 +147,9 @@ class FakeRound:
 def test_fixed_halves_count_micro_batches() -> None:
     halves = FixedHalves(6)
     assert [halves.half_done(n, Schedule.ACCO, None) for n in (2, 3)] == [False, True]
+    odd = FixedHalves(5)  # half A 2 micro-batches, half B 3
+    assert [odd.half_done(n, Schedule.ACCO, None, first=True) for n in (1, 2)] == [False, True]
+    assert [odd.half_done(n, Schedule.ACCO, None, first=False) for n in (2, 3)] == [False, True]
     assert [halves.half_done(n, Schedule.DPU, None) for n in (5, 6)] == [False, True]
 
 
@@ -249,8 +252,9 @@ def test_step_machine_table() -> None:
     assert [schedule_at(Schedule.ACCO, s, 2) for s in range(4)] == [Schedule.SYNC] * 2 + [Schedule.ACCO] * 2
     assert first_phase(Schedule.ACCO) is Phase.ESTIMATE and first_phase(Schedule.DPU) is Phase.CORRECTION
     assert parse_settings("dpu", "dynamic", 3) == (Schedule.DPU, "dynamic")
-    with pytest.raises(ValueError, match="must be even"):
-        parse_settings("acco", "fixed", 3)
+    assert parse_settings("acco", "fixed", 3) == (Schedule.ACCO, "fixed")  # halves of 1 and 2
+    with pytest.raises(ValueError, match="must be >= 2"):
+        parse_settings("acco", "fixed", 1)
 
 
 def test_statistics_count_each_round_once() -> None:
@@ -277,3 +281,30 @@ def test_a_failed_build_leaves_the_models_gradients_alone() -> None:
     from hf_acco.multiprocess import run_ranks
 
     assert run_ranks(_build_fails_then_backward, world_size=1) == [True]
+
+
+@pytest.mark.parametrize("numel", [4 * 6 * 3 - 5, 4 * 7 * 3 - 1])  # even and odd chunks
+@pytest.mark.parametrize("world_size", [4, 5, 6, 8])
+def test_the_shard_gradient_beside_a_ranks_own_pieces_never_touches_them(numel: int, world_size: int) -> None:
+    """In a bf16 round buffer each bucket's fp32 gradient row lies in that bucket, 4-byte aligned, clear of this
+    rank's own (output) piece; a bucket of odd length keeps its own gradient."""
+    params = [torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16))]
+    layout = FlatLayout(params, ["w"], [0], world_size=world_size, bucket_numel=numel // 3)
+    for rank in range(world_size):
+        pair = BufferPair(params, layout, torch.device("cpu"), True, comm_dtype=torch.bfloat16, rank=rank)
+        if world_size * layout.chunk % 2:
+            assert pair.grad_room is None and pair.shard_grad_of(pair.comm) is None
+            continue
+        assert pair.grad_room == "beside"
+        rows, buf = pair.shard_grad_of(pair.comm), pair.comm
+        assert rows.dtype == torch.float32 and rows.shape == (layout.num_buckets, layout.chunk)
+        for b in range(layout.num_buckets):
+            start = rows[b].data_ptr() - buf.data_ptr()
+            end = start + rows[b].nbytes
+            bucket = (b * layout.bucket_size * 2, (b + 1) * layout.bucket_size * 2)
+            own = (
+                (b * layout.bucket_size + rank * layout.chunk) * 2,
+                (b * layout.bucket_size + (rank + 1) * layout.chunk) * 2,
+            )
+            assert start % 4 == 0 and bucket[0] <= start and end <= bucket[1]
+            assert end <= own[0] or own[1] <= start

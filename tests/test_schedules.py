@@ -28,21 +28,27 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def train_fixed(
-    rank: int, world_size: int, schedule: str, loss: str = "mean", masked: bool = False, warmup_steps: int = 0
+    rank: int,
+    world_size: int,
+    schedule: str,
+    loss: str = "mean",
+    masked: bool = False,
+    warmup_steps: int = 0,
+    micro: int = MICRO,
 ) -> dict:
     model = tiny_llama()
     opt = ACCOOptimizer(
         decay_groups(model, WD),
         schedule=schedule,
-        micro_batches=MICRO,
+        micro_batches=micro,
         max_grad_norm=CLIP,
         warmup_steps=warmup_steps,
         **HP,
     )
     history, norms = [], []
     for t in range(STEPS):
-        for i in range(MICRO):
-            value, weight = LOSSES[loss](model, batch(rank, t * MICRO + i, masked))
+        for i in range(micro):
+            value, weight = LOSSES[loss](model, batch(rank, t * micro + i, masked))
             value.backward()
             opt.after_backward(weight)
         assert opt.ready_to_step()
@@ -54,19 +60,18 @@ def train_fixed(
     return {"history": history, "norms": norms}
 
 
-def reference_fixed(schedule: str, loss: str = "mean", masked: bool = False, world_size: int = 2):
+def reference_fixed(schedule: str, loss: str = "mean", masked: bool = False, world_size: int = 2, micro: int = MICRO):
     model = tiny_llama()
     ref = Reference(model, decay_groups(model, WD), torch.optim.AdamW, CLIP, LOSSES[loss], **HP)
 
     def mbs(rank: int, t: int, lo: int, hi: int):
-        return [batch(rank, t * MICRO + i, masked) for i in range(lo, hi)]
+        return [batch(rank, t * micro + i, masked) for i in range(lo, hi)]
 
-    if schedule == "acco":
-        plan = [
-            [(mbs(r, t, 0, MICRO // 2), mbs(r, t, MICRO // 2, MICRO)) for r in range(world_size)] for t in range(STEPS)
-        ]
+    if schedule == "acco":  # half A: micro // 2 micro-batches, half B: the rest
+        a = micro // 2
+        plan = [[(mbs(r, t, 0, a), mbs(r, t, a, micro)) for r in range(world_size)] for t in range(STEPS)]
         return run_acco(ref, plan), ref.norms
-    plan = [[mbs(r, t, 0, MICRO) for r in range(world_size)] for t in range(STEPS)]
+    plan = [[mbs(r, t, 0, micro) for r in range(world_size)] for t in range(STEPS)]
     return (run_sync if schedule == "sync" else run_dpu)(ref, plan), ref.norms
 
 
@@ -89,6 +94,16 @@ def test_schedule_matches_reference(schedule: str) -> None:
     # the engine's global gradient norm (before clipping) is clip_grad_norm_'s on the full averaged gradient
     got_norms = results[0]["norms"]
     assert got_norms == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("micro", [3, 2])
+def test_acco_with_unequal_or_single_micro_batch_halves_matches_reference(micro: int) -> None:
+    """An odd window makes unequal halves (1 + 2 for 3): nothing in ACCO needs them equal."""
+    results = run_ranks(train_fixed, schedule="acco", micro=micro)
+    _assert_ranks_identical(results)
+    expected, _ = reference_fixed("acco", micro=micro)
+    errors = [relative_error(got, want) for got, want in zip(results[0]["history"], expected)]
+    assert len(errors) == STEPS and max(errors) <= 1e-6, errors
 
 
 @pytest.mark.parametrize("schedule", ["acco", "dpu"])

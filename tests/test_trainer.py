@@ -187,7 +187,7 @@ def test_dynamic_accumulation_with_a_slow_rank(tmp_path: Path) -> None:
         ({"fp16": True}, "does not support fp16"),
         ({"deepspeed": {"zero_optimization": {"stage": 1}}}, "do not combine it with DeepSpeed"),
         ({"fsdp": "full_shard"}, "cannot run under FSDP"),
-        ({"gradient_accumulation_steps": 3}, "must be even and >= 2; got 3"),
+        ({"gradient_accumulation_steps": 1, "per_device_train_batch_size": 1}, "one sample .* cannot be split"),
         ({"acco_schedule": "zero"}, "schedule must be one of"),
         ({"acco_accumulation": "dynamic", "acco_schedule": "sync"}, "Use accumulation='fixed' with 'sync'"),
         ({"acco_reduce_scatter": "ring"}, "acco_reduce_scatter must be"),
@@ -225,5 +225,96 @@ def test_non_elementwise_optimizer_fails_at_construction(tmp_path: Path) -> None
     from .models import tiny_llama
 
     args = ACCOConfig(output_dir=str(tmp_path), use_cpu=True, optim="adafactor", report_to=[])
-    with pytest.raises(ValueError, match="element-wise optimizer"):
+    with pytest.raises(ValueError, match="element-wise optimizer") as refused:
         ACCOTrainer(model=tiny_llama(), args=args)
+    # the advice names only options that exist: an ACCOConfig field
+    assert "set acco_allow_custom_optimizer=True" in str(refused.value)
+    assert "acco_allow_custom_optimizer" in ACCOConfig.__dataclass_fields__
+
+
+# ---- Trainer's defaults and the engine's lifecycle --------------------------------------------------------------
+
+
+def test_trainer_default_accumulation_keeps_the_steps_and_sync_equals_ddp(tmp_path: Path) -> None:
+    """An unchanged Trainer script (gradient_accumulation_steps left at Trainer's 1): the same number of optimizer
+    steps for every schedule, and with sync the same parameters as Trainer+DDP."""
+    one = {"gradient_accumulation_steps": 1}
+    assert ACCOConfig(output_dir=str(tmp_path)).gradient_accumulation_steps == 1  # Trainer's default, kept
+    ddp = train(tmp_path / "ddp", acco=False, extra=one)
+    sync = train(tmp_path / "sync", acco=True, extra={**one, "acco_schedule": "sync"})
+    acco = train(tmp_path / "acco", acco=True, extra=one)
+    for run in (ddp, sync, acco):
+        assert [h["step"] for h in run[0]["log_history"] if "loss" in h] == list(range(1, 13))
+    assert sync[0]["acco_totals"]["steps"] == acco[0]["acco_totals"]["steps"] == 12
+    assert losses(sync[0]) == pytest.approx(losses(ddp[0]), rel=1e-5)
+    assert rel(flat(sync[0]["params"]), flat(ddp[0]["params"])) < 1e-6
+    # acco split each one-micro-batch window into two halves of one row each (batch 2): 2 micro-batches a step
+    assert acco[0]["acco_totals"]["micro_batches"] == 24
+
+
+def test_a_window_of_one_micro_batch_is_split_into_the_two_halves_exactly(tmp_path: Path) -> None:
+    """Batch 4 in one micro-batch per step gives the bits of batch 2 in two micro-batches (its two halves)."""
+    split = train(tmp_path / "split", acco=True, world_size=1,
+                  extra={"gradient_accumulation_steps": 1, "per_device_train_batch_size": 4})  # fmt: skip
+    halves = train(tmp_path / "halves", acco=True, world_size=1,
+                   extra={"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2})  # fmt: skip
+    assert losses(split[0]) == pytest.approx(losses(halves[0]), rel=1e-6)
+    assert rel(flat(split[0]["params"]), flat(halves[0]["params"])) < 1e-6
+
+
+def _lifecycle(rank: int, world_size: int, out: str) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_acco import ACCOTrainer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=trainer_script.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=trainer_script.SEQ)
+    )  # fmt: skip
+    data = trainer_script.make_dataset(64, 1)
+
+    def config(name: str, **kw) -> ACCOConfig:
+        return ACCOConfig(output_dir=f"{out}/{name}", per_device_train_batch_size=4, max_steps=3, report_to=[],
+                          use_cpu=True, disable_tqdm=True, logging_steps=1, **kw)  # fmt: skip
+
+    first = ACCOTrainer(model=model, args=config("first"), train_dataset=data)
+    first.train()
+    hooks_after_training = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    first.train()  # train() again: the same engine goes on (Trainer keeps its optimizer too)
+    steps_twice = first.acco.totals["steps"]
+    second = ACCOTrainer(model=model, args=config("second"), train_dataset=data)  # a second trainer, same model
+    second.train()
+
+    class OutOfMemoryOnce(ACCOTrainer):  # Trainer's auto batch size: an OOM in the first attempt, then a retry
+        failed = False
+
+        def training_step(self, *args, **kwargs):
+            if not self.failed and self.state.global_step == 1:
+                type(self).failed = True
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().training_step(*args, **kwargs)
+
+    third = OutOfMemoryOnce(model=model, args=config("third", auto_find_batch_size=True), train_dataset=data)
+    third.train()
+    return {
+        "hooks_after_training": hooks_after_training,
+        "steps_twice": steps_twice,
+        "second_steps": second.state.global_step,
+        "second_loss": [h["loss"] for h in second.state.log_history if "loss" in h],
+        "third_round_s": [h["acco_round_s"] for h in third.state.log_history if "acco_round_s" in h],
+        "third_steps": third.state.global_step,
+        "third_batch": third._train_batch_size,
+        "third_engine_steps": third.acco.totals["steps"],
+        "hooks_at_end": sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()),
+    }
+
+
+def test_engine_lifecycle_train_twice_a_second_trainer_and_auto_batch_size(tmp_path: Path) -> None:
+    for r in run_ranks(_lifecycle, world_size=2, backend=None, out=str(tmp_path), timeout=240):
+        assert r["hooks_after_training"] == 0  # training's end released the engine's hooks (and its thread)
+        assert r["steps_twice"] == 6
+        assert r["second_steps"] == 3 and all(v == v for v in r["second_loss"])
+        assert r["third_steps"] == 3 and r["third_batch"] < 4 and r["third_engine_steps"] == 3  # a new engine
+        assert r["hooks_at_end"] == 0
+        assert min(r["third_round_s"]) >= 0  # the new engine's figures are not taken against the old one's
