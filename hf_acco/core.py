@@ -365,7 +365,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
         micro-batches of the unfinished step are not in it, and a resumed run computes them again.
         """
         self.synchronize()  # the master shard is final once the commit round in flight has finished
-        return self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams())
+        state = self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams())
+        state["stats"] = self.stats.state_dict()
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -385,6 +387,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self.train()
         pending = self._boundary.load(state_dict, shard, self.param_groups, self.buffers)
         self.step_count = state_dict["step_count"]
+        self.stats.load_state_dict(state_dict.get("stats"))
         self.rounds.drop()
         if pending:
             self.rounds.completed(RoundKind.COMMIT)

@@ -4,7 +4,8 @@ Pure Python: it only reads the ``RoundResult`` of each round waited for."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from .schedule import RoundKind
 
@@ -35,6 +36,24 @@ class EngineStats:
             self.totals["skipped_steps"] += float(result.skipped)
             self.totals["global_micro_batches"] += result.micro_batches
         return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to log as the uninterrupted one does: the latest commit round (its grad norm and
+        global micro-batches are logged at the next step) and the counts that add up the whole run."""
+        last = None if self.last_commit is None else dataclasses.asdict(self.last_commit)
+        if last is not None:
+            last["kind"] = self.last_commit.kind.value
+        return {"last_commit": last, **{k: self.totals[k] for k in ("skipped_steps", "global_micro_batches")}}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        from .rounds import RoundResult  # here: rounds imports torch, and this module stays pure Python
+
+        if not state:  # a checkpoint written before these were saved
+            return
+        last = state.get("last_commit")
+        self.last_commit = None if last is None else RoundResult(**{**last, "kind": RoundKind(last["kind"])})
+        for key in ("skipped_steps", "global_micro_batches"):
+            self.totals[key] = float(state.get(key, 0.0))
 
     def step_ended(self, step: int, micro_batches: int, weight: float) -> None:
         rounds, self._rounds = self._rounds, []

@@ -49,6 +49,7 @@ from .schedule import Accumulation, validate_settings
 logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"
+RUN_DEPENDENT_METRICS = ("acco_exposed_comm_s", "acco_round_s")  # logged, not kept in state.log_history
 TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
 
@@ -139,19 +140,20 @@ class ACCOTrainer(Trainer):
         if resume_from_checkpoint is True:
             found = last_complete_checkpoint(self.args.output_dir)
             if found is None:
-                raise ValueError(
-                    f"No complete checkpoint in {self.args.output_dir} to resume from. Start without "
-                    "resume_from_checkpoint, or point it at a checkpoint directory."
+                raise ValueError(  # Trainer's words, then ACCO's detail
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): no complete "
+                    "checkpoint to resume from. Start without resume_from_checkpoint, or point it at a checkpoint "
+                    "directory."
                 )
             resume_from_checkpoint = found
         elif isinstance(resume_from_checkpoint, str):
             if not os.path.isdir(resume_from_checkpoint):
-                raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory.")
+                raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: not a directory.")
             reason = checkpoint_incomplete(resume_from_checkpoint)
             if reason is not None:
                 latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
                 raise ValueError(
-                    f"Cannot resume from {resume_from_checkpoint}: {reason}. "
+                    f"Can't find a valid checkpoint at {resume_from_checkpoint}: {reason}. "
                     + (
                         f"The latest complete checkpoint is {latest}."
                         if latest
@@ -355,9 +357,15 @@ class ACCOTrainer(Trainer):
     # ---- logging ------------------------------------------------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.acco is not None and "loss" in logs:
-            logs.update(self._acco_metrics())
+        if self.acco is None or "loss" not in logs:
+            return super().log(logs, start_time)
+        logs.update(self._acco_metrics())
         super().log(logs, start_time)
+        # The timings reached the console and the loggers (report_to) through on_log; the run's history keeps only
+        # what the training computed, so that a resumed run's log_history equals the uninterrupted one's.
+        entry = self.state.log_history[-1]
+        for key in RUN_DEPENDENT_METRICS:
+            entry.pop(key, None)
 
     def _acco_metrics(self) -> dict[str, float]:
         """Per optimizer step since the last log: exposed communication, round time, micro-batches, weight."""
@@ -373,7 +381,7 @@ class ACCOTrainer(Trainer):
         }
         if self.acco.last_commit is not None:
             out["acco_global_micro_batches"] = float(self.acco.last_commit.micro_batches)
-        out["acco_optimizer_steps"] = totals["steps"]
+        out["acco_optimizer_steps"] = float(self.acco.step_count)  # restored by a resume
         if self._dynamic:  # micro-batches differ per rank: log each (all ranks log at the same Trainer steps)
             mine = torch.tensor([delta["micro_batches"]], dtype=torch.float64, device=self.args.device)
             for rank, value in enumerate(self.accelerator.gather(mine).tolist()):

@@ -63,7 +63,9 @@ def test_crash_while_saving_leaves_the_previous_checkpoint_as_the_latest(tmp_pat
     partial = tmp_path / "checkpoint-4"
     assert partial.is_dir() and "no trainer_state.json" in checkpoint_incomplete(str(partial))
     assert get_last_checkpoint(str(tmp_path)) == str(partial)  # what plain Trainer would resume from
-    with pytest.raises(RuntimeError, match="Cannot resume from .*checkpoint-4: it has no trainer_state.json"):
+    with pytest.raises(
+        RuntimeError, match="Can't find a valid checkpoint at .*checkpoint-4: it has no trainer_state.json"
+    ):
         train(tmp_path / "explicit", acco=True, resume=str(partial))
     resumed = train(tmp_path, acco=True, resume="last")  # skips checkpoint-4, resumes checkpoint-2
     for r in range(2):

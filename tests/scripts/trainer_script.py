@@ -31,6 +31,16 @@ def make_dataset(n: int, seed: int) -> Dataset:
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
 
 
+class LogKeys(TrainerCallback):
+    """Every key that reached the loggers (on_log), as report_to's integrations see them."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.keys.update(logs or {})
+
+
 class StopAt(TrainerCallback):
     """Stops training after a given micro-batch, in the middle of an optimizer step."""
 
@@ -126,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
         disable_tqdm=True,
     )
     args = args_cls(**{**settings, **json.loads(cli.extra)})
-    callbacks = [StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else []
+    log_keys = LogKeys()
+    callbacks = [log_keys] + ([StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else [])
     if cli.slow_rank_delay:
         callbacks.append(SlowRank(cli.slow_rank_delay))
     if cli.kill_rank1_at_step or cli.stop_rank1_at_step or cli.sigterm_at_step or cli.step_sleep:
@@ -153,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         "log_history": trainer.state.log_history,
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "world_size": trainer.accelerator.num_processes,
+        "logged_keys": sorted(log_keys.keys),
         "acco_totals": dict(trainer.acco.totals) if getattr(trainer, "acco", None) else None,
     }
     if trainer.is_world_process_zero():
