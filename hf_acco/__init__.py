@@ -14,14 +14,14 @@ from .sharding import FlatLayout
 
 def __getattr__(name: str):  # noqa: ANN202
     """The Hugging Face glue (ACCOConfig, ACCOTrainer) is imported on first use: the engine needs only torch."""
-    if name == "ACCOConfig":
-        from .config import ACCOConfig
+    if name in ("ACCOConfig", "ACCOConfigMixin"):
+        from . import config
 
-        return ACCOConfig
-    if name == "ACCOTrainer":
-        from .trainer import ACCOTrainer
+        return getattr(config, name)
+    if name in ("ACCOTrainer", "ACCOTrainerMixin"):
+        from . import trainer
 
-        return ACCOTrainer
+        return getattr(trainer, name)
     raise AttributeError(f"module 'hf_acco' has no attribute {name!r}")
 
 
@@ -29,8 +29,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ACCOConfig",
+    "ACCOConfigMixin",
     "ACCOOptimizer",
     "ACCOTrainer",
+    "ACCOTrainerMixin",
     "Accumulation",
     "Communicator",
     "FlatLayout",

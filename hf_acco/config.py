@@ -1,4 +1,7 @@
-"""ACCOConfig: TrainingArguments plus the ACCO settings (every field specific to ACCO starts with ``acco_``)."""
+"""ACCOConfig: TrainingArguments plus the ACCO settings (every field specific to ACCO starts with ``acco_``).
+
+``ACCOConfigMixin`` holds those settings alone, so that they join any TrainingArguments subclass (TRL's configs)
+without resetting its defaults; ``ACCOConfig`` is the mixin plus TrainingArguments."""
 
 from __future__ import annotations
 
@@ -44,14 +47,9 @@ def check_halves(args: TrainingArguments) -> None:
 
 
 @dataclass
-class ACCOConfig(TrainingArguments):
-    """[`~transformers.TrainingArguments`] for [`ACCOTrainer`].
-
-    Trainer's defaults are kept: ``gradient_accumulation_steps`` (default 1) is the number of micro-batches per
-    optimizer step per rank, as for Trainer. With ``acco_schedule="acco"`` and fixed accumulation the step's two
-    halves come from that window unchanged: ``k // 2`` micro-batches in the first half and the rest in the second
-    (1 + 2 for 3), and a window of one micro-batch is split along the batch dimension (its first
-    ``batch_size // 2`` rows, then the rest).
+class ACCOConfigMixin:
+    """Only the ``acco_*`` settings and their checks, for any TrainingArguments subclass:
+    ``@dataclass class MyConfig(ACCOConfigMixin, SFTConfig)`` keeps every default of ``SFTConfig``.
 
     Parameters:
         acco_schedule (`str`, *optional*, defaults to `"acco"`):
@@ -180,6 +178,19 @@ class ACCOConfig(TrainingArguments):
         if cpu and not PartialState._shared_state and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             PartialState(cpu=True, backend=self.ddp_backend, timeout=timedelta(seconds=self.ddp_timeout))
         return TrainingArguments._setup_devices.func(self)
+
+
+@dataclass
+class ACCOConfig(ACCOConfigMixin, TrainingArguments):
+    """[`~transformers.TrainingArguments`] for [`ACCOTrainer`], with the ``acco_*`` settings of
+    [`ACCOConfigMixin`].
+
+    Trainer's defaults are kept: ``gradient_accumulation_steps`` (default 1) is the number of micro-batches per
+    optimizer step per rank, as for Trainer. With ``acco_schedule="acco"`` and fixed accumulation the step's two
+    halves come from that window unchanged: ``k // 2`` micro-batches in the first half and the rest in the second
+    (1 + 2 for 3), and a window of one micro-batch is split along the batch dimension (its first
+    ``batch_size // 2`` rows, then the rest).
+    """
 
 
 def check_supported(args: TrainingArguments) -> None:

@@ -29,6 +29,7 @@ around evaluation and before every micro-batch.
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import logging
 import os
@@ -99,32 +100,42 @@ def _setting(args: TrainingArguments, name: str, default: Any) -> Any:
     return getattr(args, name, default)
 
 
-class ACCOTrainer(Trainer):
-    """Drop-in replacement for [`~transformers.Trainer`] that trains with ACCO (see [`ACCOConfig`])."""
+def _check_args(training_args: TrainingArguments) -> None:
+    """Refuse, with what to change, training arguments ACCO cannot honour (ACCO's defaults for plain ones)."""
+    check_supported(training_args)
+    check_halves(training_args)
+    validate_settings(
+        _setting(training_args, "acco_schedule", "acco"),
+        _setting(training_args, "acco_accumulation", "fixed"),
+        engine_micro_batches(training_args),
+        _setting(training_args, "acco_min_micro_batches", 1),
+    )
+    if training_args.n_gpu > 1:
+        raise ValueError(
+            "ACCO needs one process per GPU; this run sees several GPUs in one process (DataParallel). "
+            "Launch with `accelerate launch` or `torchrun`."
+        )
+
+
+class ACCOTrainerMixin:
+    """Every ACCO override of [`~transformers.Trainer`], cooperative with ``super()``: put it first,
+    ``class MyTrainer(ACCOTrainerMixin, SomeTrainer)``, and give it a config with the ``acco_*`` settings
+    ([`ACCOConfigMixin`] joined to that trainer's config)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        training_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
-        if training_args is not None:
-            check_supported(training_args)
-            check_halves(training_args)
-            validate_settings(
-                _setting(training_args, "acco_schedule", "acco"),
-                _setting(training_args, "acco_accumulation", "fixed"),
-                engine_micro_batches(training_args),
-                _setting(training_args, "acco_min_micro_batches", 1),
-            )
-            if training_args.n_gpu > 1:
-                raise ValueError(
-                    "ACCO needs one process per GPU; this run sees several GPUs in one process (DataParallel). "
-                    "Launch with `accelerate launch` or `torchrun`."
-                )
-        optimizers = kwargs.get("optimizers")
+        # the config and the optimizers by name, whatever their position in the trainer's signature (DPOTrainer's
+        # second positional argument is ref_model)
+        given = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
+        if given.get("args") is not None:
+            _check_args(given["args"])
+        optimizers = given.get("optimizers")
         if optimizers is not None and optimizers[0] is not None and not isinstance(optimizers[0], ACCOOptimizer):
             raise ValueError(
                 "ACCOTrainer builds its own optimizer (the ACCO sharded optimizer). Choose the inner optimizer with "
                 "`optim`/`optim_args` or `optimizer_cls_and_kwargs`, and pass no optimizer instance."
             )
         super().__init__(*args, **kwargs)
+        _check_args(self.args)  # again: a subclass may build or replace its config in __init__ (TRL does)
         if self.train_dataset is not None and hasattr(self.train_dataset, "__len__") and len(self.train_dataset) == 0:
             raise ValueError("train_dataset is empty: ACCO has nothing to train on. Check the data files and filters.")
         if self.optimizer_cls_and_kwargs is None:
@@ -284,11 +295,7 @@ class ACCOTrainer(Trainer):
             return share / self.current_gradient_accumulation_steps, share
         if num_items_in_batch is None:
             return 1.0, 1.0
-        if "shift_labels" in inputs:
-            labels = inputs["shift_labels"]
-        else:
-            labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
-        tokens = float(labels.ne(-100).sum())
+        tokens = self.count_label_tokens(inputs)
         factor = 1.0
         if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
             factor = float(self.accelerator.num_processes // self.get_tp_size())
@@ -296,6 +303,20 @@ class ACCOTrainer(Trainer):
         if self._dynamic:
             return tokens, 1.0 / factor
         return tokens * factor, 1.0
+
+    def count_label_tokens(self, inputs: dict[str, Any]) -> float:
+        """The number of tokens a micro-batch's summed loss adds up: the weight its gradient gets. Override it for a
+        loss that counts otherwise.
+
+        Default, as Trainer counts ``num_items_in_batch``: labels other than -100 in ``shift_labels`` when the batch
+        has them, else in ``labels`` after the shift the model's loss applies (causal LMs drop the first label).
+        Padding-free batches (sequences packed into one row) need nothing more: their collators mark the first
+        label of every sequence -100."""
+        if "shift_labels" in inputs:
+            labels = inputs["shift_labels"]
+        else:
+            labels = inputs["labels"][..., 1:] if getattr(self, "_loss_shifts_labels", False) else inputs["labels"]
+        return float(labels.ne(-100).sum())
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> None:
         return None  # clipped inside the round, by the norm of the globally averaged gradient
@@ -387,6 +408,10 @@ class ACCOTrainer(Trainer):
             for rank, value in enumerate(self.accelerator.gather(mine).tolist()):
                 out[f"acco_micro_batches_rank{rank}"] = value
         return out
+
+
+class ACCOTrainer(ACCOTrainerMixin, Trainer):
+    """Drop-in replacement for [`~transformers.Trainer`] that trains with ACCO (see [`ACCOConfig`])."""
 
 
 class _JITAgreement(TrainerCallback):
