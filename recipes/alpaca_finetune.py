@@ -5,18 +5,22 @@
     # the Alpaca sample shipped in shared/data, LoRA, the DDP baseline
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py \\
         --dataset_path ../shared/data/alpaca/alpaca_data_first200.json --use_lora --method ddp
+    # the same through TRL's SFTTrainer (prompt-completion data, loss on the completion only)
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py --trl
     # a real model and the Hub dataset on 8 GPUs
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/alpaca_finetune.py \\
         --model_name_or_path EleutherAI/pythia-410m --hub --bf16 --max_steps 1000
 
 Steps: load the records; hold some out; build the model and tokenizer; format prompts (loss on the response
-only); train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp); measure held-out loss, and exact match of
+only); train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp), or with ``--trl`` ACCOSFTTrainer or TRL's
+SFTTrainer (TRL's defaults, its own tokenization and collator); measure held-out loss, and exact match of
 greedy answers when the data is the generated set, before and after; save the model (or adapter),
 metrics.json and loss_curve.png. Any training argument of ACCOConfig can be given on the command line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -57,7 +61,7 @@ DEFAULT_TRAINING_ARGS = [
     "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--weight_decay", "0.01",
     "--warmup_steps", "20", "--lr_scheduler_type", "cosine", "--max_grad_norm", "1.0", "--max_steps", "300",
     "--logging_steps", "10", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
-    "--per_device_eval_batch_size", "32", "--disable_tqdm", "true",
+    "--per_device_eval_batch_size", "32", "--disable_tqdm", "true", "--max_length", "256",
 ] + (["--use_cpu", "true"] if not torch.cuda.is_available() else [])  # fmt: skip
 
 
@@ -79,6 +83,24 @@ class ScriptArguments:
     use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter (peft) instead of all weights."})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
     lora_target_modules: str = field(default="q_proj,v_proj", metadata={"help": "Comma-separated module names."})
+    trl: bool = field(default=False, metadata={"help": "Train through TRL's SFTTrainer (hf_acco.trl for ACCO)."})
+
+
+def _without(cls: type, name: str) -> type:
+    """The dataclass ``cls`` less one field (given to another dataclass of the same parser)."""
+    kept = [(f.name, f.type, f) for f in dataclasses.fields(cls) if f.name != name]
+    return dataclasses.make_dataclass(cls.__name__, kept)
+
+
+def trainer_classes(method: str, trl: bool) -> tuple[type, type]:
+    """(trainer, config) for a method: ACCO's for acco/dpu/sync, the baseline's for ddp; TRL's SFT ones with trl."""
+    if trl:
+        from trl import SFTConfig, SFTTrainer
+
+        from hf_acco.trl import ACCOSFTConfig, ACCOSFTTrainer
+
+        return (SFTTrainer, SFTConfig) if method == "ddp" else (ACCOSFTTrainer, ACCOSFTConfig)
+    return (Trainer, TrainingArguments) if method == "ddp" else (ACCOTrainer, ACCOConfig)
 
 
 def load_data(args: ScriptArguments) -> tuple[list[dict], bool]:
@@ -152,12 +174,21 @@ def save_loss_curve(log_history: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = DEFAULT_TRAINING_ARGS + list(sys.argv[1:] if argv is None else argv)
-    script_args, training_args = HfArgumentParser((ScriptArguments, ACCOConfig)).parse_args_into_dataclasses(argv)
-    if script_args.method == "ddp":  # the baseline: the same arguments without the acco_ ones
-        plain = {k: v for k, v in training_args.to_dict().items() if not k.startswith("acco_")}
-        training_args, trainer_cls = TrainingArguments(**plain), Trainer
+    trl = "--trl" in argv
+    # With --trl, TRL's config (and its defaults); its own max_length is the one --max_length sets
+    script_cls = _without(ScriptArguments, "max_length") if trl else ScriptArguments
+    parser = HfArgumentParser((script_cls, trainer_classes("acco", trl)[1]))
+    script_args, training_args = parser.parse_args_into_dataclasses(argv)
+    if trl:
+        script_args.max_length = training_args.max_length
+    trainer_cls, config_cls = trainer_classes(script_args.method, script_args.trl)
+    if script_args.method == "ddp":  # the baseline: the same arguments without the acco_ ones (not to_dict(),
+        # which masks every *_token field, eos_token included)
+        fields = dataclasses.fields(training_args)
+        plain = {f.name: getattr(training_args, f.name) for f in fields if f.init and not f.name.startswith("acco_")}
+        training_args = config_cls(**plain)
     else:
-        training_args.acco_schedule, trainer_cls = script_args.method, ACCOTrainer
+        training_args.acco_schedule = script_args.method
 
     # 1. data: records, a held-out split
     records, checkable = load_data(script_args)
@@ -169,7 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
     # 2. model and tokenizer; 3. prompts, response-only labels
     set_seed(training_args.seed)  # LoRA's random initialisation: the same in every run with this seed, every method
     model, tokenizer = build_model_and_tokenizer(script_args, records)
-    tokenize = lambda r: tokenize_example(r, tokenizer, script_args.max_length)  # noqa: E731
+    if script_args.trl:  # prompt-completion records: TRL tokenizes them and learns the completion only
+        tokenize = lambda r: {"prompt": format_prompt(r), "completion": " " + r["output"]}  # noqa: E731
+        collator = {}  # TRL's own
+    else:
+        tokenize = lambda r: tokenize_example(r, tokenizer, script_args.max_length)  # noqa: E731
+        collator = {"data_collator": DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)}
     train_ds = Dataset.from_list([tokenize(r) for r in train])
     heldout_ds = Dataset.from_list([tokenize(r) for r in heldout])
     # The held-out loss before training is taken by Trainer itself at the start of train() (eval_on_start), after
@@ -183,11 +219,11 @@ def main(argv: list[str] | None = None) -> dict:
         args=training_args,
         train_dataset=train_ds,
         eval_dataset=heldout_ds,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100),
         processing_class=tokenizer,
+        **collator,
     )
     # 4. before, train, after
-    metrics: dict = {"method": script_args.method, "world_size": training_args.world_size}
+    metrics: dict = {"method": script_args.method, "world_size": training_args.world_size, "trl": script_args.trl}
     if checkable and fresh_start:
         metrics["exact_match_before"] = exact_match(trainer, tokenizer, heldout)
     start = time.perf_counter()

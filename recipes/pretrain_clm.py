@@ -15,6 +15,7 @@ lambada_*) and the model. Every method sees the same data in the same order for 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = DEFAULT_TRAINING_ARGS + list(sys.argv[1:] if argv is None else argv)
     script_args, training_args = HfArgumentParser((ScriptArguments, ACCOConfig)).parse_args_into_dataclasses(argv)
     if script_args.method == "ddp":
-        plain = {k: v for k, v in training_args.to_dict().items() if not k.startswith("acco_")}
+        fields = dataclasses.fields(training_args)  # not to_dict(), which masks every *_token field
+        plain = {f.name: getattr(training_args, f.name) for f in fields if f.init and not f.name.startswith("acco_")}
         training_args, trainer_cls = TrainingArguments(**plain), Trainer
     else:
         training_args.acco_schedule, trainer_cls = script_args.method, ACCOTrainer

@@ -150,6 +150,24 @@ def test_alpaca_recipe_ddp_baseline_averages_gradients_like_sync(tmp_path: Path)
     assert ddp["heldout_loss"] < ddp["heldout_loss_before"]
 
 
+def test_alpaca_recipe_through_trl_sync_equals_sfttrainer_under_ddp(tmp_path: Path) -> None:
+    """--trl: the same recipe through TRL's SFTTrainer (prompt-completion records, its tokenization): ACCO's sync
+    gives TRL+DDP's held-out loss, and the run records exact match before and after."""
+    pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[trl]')")
+    results = {}
+    for method in ("ddp", "sync"):
+        out = tmp_path / method
+        launch("alpaca_finetune.py", "--trl", "--num_generated", "300", "--heldout", "20", "--max_steps", "4",
+               "--per_device_train_batch_size", "4", "--method", method, "--output_dir", str(out),
+               "--gradient_checkpointing", "false", "--bf16", "false")  # fmt: skip
+        results[method] = json.loads((out / "metrics.json").read_text())
+    ddp, sync = results["ddp"], results["sync"]
+    assert ddp["trl"] and sync["trl"] and {"exact_match_before", "exact_match_after"} <= set(sync)
+    assert ddp["heldout_loss_before"] == pytest.approx(sync["heldout_loss_before"], rel=1e-6)
+    assert ddp["heldout_loss"] == pytest.approx(sync["heldout_loss"], rel=1e-4)
+    assert sync["heldout_loss"] < sync["heldout_loss_before"]
+
+
 @pytest.mark.skipif(not (DATA / "alpaca").is_dir(), reason="../shared/data/alpaca is absent")
 def test_alpaca_recipe_lora_on_the_shipped_sample_and_the_ddp_baseline(tmp_path: Path) -> None:
     sample = str(DATA / "alpaca" / "alpaca_data_first200.json")
