@@ -100,6 +100,25 @@ def _setting(args: TrainingArguments, name: str, default: Any) -> Any:
     return getattr(args, name, default)
 
 
+def _check_takeover(optimizer: Any, training_args: TrainingArguments | None) -> None:
+    """An optimizer instance ACCO can take over faithfully: an element-wise torch class, not yet stepped, whose
+    groups hold trainable parameters only (ACCO rebuilds it sharded, with the same groups and settings)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizers[0] must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    allow = _setting(training_args, "acco_allow_custom_optimizer", False) if training_args is not None else False
+    check_elementwise(type(optimizer), allow, _ALLOW_CUSTOM)
+    if optimizer.state:
+        raise ValueError(
+            "The optimizer passed in optimizers=(...) has already been stepped: ACCO rebuilds it sharded and cannot "
+            "take its state over. Pass a fresh optimizer, or resume from a checkpoint with resume_from_checkpoint."
+        )
+    if any(not p.requires_grad for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "The optimizer passed in optimizers=(...) holds parameters that do not require gradients: ACCO trains "
+            "the trainable ones only. Build it over [p for p in model.parameters() if p.requires_grad]."
+        )
+
+
 def _check_args(training_args: TrainingArguments) -> None:
     """Refuse, with what to change, training arguments ACCO cannot honour (ACCO's defaults for plain ones)."""
     check_supported(training_args)
@@ -130,10 +149,7 @@ class ACCOTrainerMixin:
             _check_args(given["args"])
         optimizers = given.get("optimizers")
         if optimizers is not None and optimizers[0] is not None and not isinstance(optimizers[0], ACCOOptimizer):
-            raise ValueError(
-                "ACCOTrainer builds its own optimizer (the ACCO sharded optimizer). Choose the inner optimizer with "
-                "`optim`/`optim_args` or `optimizer_cls_and_kwargs`, and pass no optimizer instance."
-            )
+            _check_takeover(optimizers[0], given.get("args"))
         super().__init__(*args, **kwargs)
         _check_args(self.args)  # again: a subclass may build or replace its config in __init__ (TRL does)
         if self.train_dataset is not None and hasattr(self.train_dataset, "__len__") and len(self.train_dataset) == 0:
@@ -206,21 +222,30 @@ class ACCOTrainerMixin:
                 return self.optimizer
             self.acco.close()
             self.optimizer = None
+        taken = None  # an optimizer instance the user passed (checked in __init__): its class, groups, settings
+        if self.optimizer is not None and not isinstance(self.optimizer, ACCOOptimizer):
+            taken, self.optimizer = self.optimizer, None
         if self.optimizer is not None:
             return self.optimizer
         opt_model = self.model if model is None else model
-        if self.optimizer_cls_and_kwargs is not None:
+        if taken is not None:
+            optimizer_cls = type(taken)
+            accepted = inspect.signature(optimizer_cls.__init__).parameters  # defaults hold some it sets itself
+            optimizer_kwargs = {k: v for k, v in taken.defaults.items() if k in accepted}
+            groups = [dict(g) for g in taken.param_groups]
+        elif self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        decay = set(self.get_decay_parameter_names(opt_model))
-        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for n, p in named if n in decay], "param_names": [n for n, _ in named if n in decay],
-             "weight_decay": self.args.weight_decay},
-            {"params": [p for n, p in named if n not in decay], "param_names": [n for n, _ in named if n not in decay],
-             "weight_decay": 0.0},
-        ]  # fmt: skip
+        if taken is None:
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in named if n in decay], "param_names": [n for n, _ in named if n in decay],
+                 "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in named if n not in decay],
+                 "param_names": [n for n, _ in named if n not in decay], "weight_decay": 0.0},
+            ]  # fmt: skip
         args = self.args
         check_elementwise(optimizer_cls, _setting(args, "acco_allow_custom_optimizer", False), _ALLOW_CUSTOM)
         _ensure_process_group(self.accelerator.device)
@@ -246,6 +271,8 @@ class ACCOTrainerMixin:
             allow_custom_optimizer=True,  # checked just above, with the advice that fits Trainer
             **optimizer_kwargs,
         )
+        if taken is not None and getattr(self.lr_scheduler, "optimizer", None) is taken:
+            self.lr_scheduler.optimizer = self.acco  # the user's schedule now sets the engine's learning rates
         # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)
         self.optimizer = self.accelerator.prepare_optimizer(self.acco, device_placement=False)
         return self.optimizer

@@ -215,7 +215,7 @@ def test_unsupported_settings_fail_at_construction(tmp_path: Path, kwargs: dict,
         ACCOConfig(output_dir=str(tmp_path), use_cpu=True, **kwargs)
 
 
-def test_empty_dataset_and_foreign_optimizer_are_refused(tmp_path: Path) -> None:
+def test_empty_dataset_and_optimizers_that_cannot_be_taken_over_are_refused(tmp_path: Path) -> None:
     from datasets import Dataset
 
     from hf_acco import ACCOTrainer
@@ -227,8 +227,28 @@ def test_empty_dataset_and_foreign_optimizer_are_refused(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="train_dataset is empty"):
         ACCOTrainer(model=tiny_llama(), args=args, train_dataset=empty)
     model = tiny_llama()
-    with pytest.raises(ValueError, match="builds its own optimizer"):
+    with pytest.raises(ValueError, match="element-wise optimizer"):
+        ACCOTrainer(model=model, args=args, optimizers=(torch.optim.LBFGS(model.parameters()), None))
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sum(p.sum() for p in model.parameters()).backward()
+    stepped.step()
+    with pytest.raises(ValueError, match="already been stepped"):
+        ACCOTrainer(model=model, args=args, optimizers=(stepped, None))
+    model.model.embed_tokens.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="do not require gradients"):
         ACCOTrainer(model=model, args=args, optimizers=(torch.optim.AdamW(model.parameters()), None))
+
+
+def test_an_optimizer_instance_and_its_scheduler_are_taken_over(tmp_path: Path) -> None:
+    """optimizers=(AdamW(...), LambdaLR(...)): ACCO rebuilds the user's optimizer sharded (class, groups, settings)
+    and the user's schedule drives it; with sync the run equals Trainer+DDP with the same optimizer."""
+    ddp = train(tmp_path / "ddp", acco=False, user_optimizer=True)
+    sync = train(tmp_path / "sync", acco=True, user_optimizer=True, extra={"acco_schedule": "sync"})
+    rates = [h["learning_rate"] for h in sync[0]["log_history"] if "loss" in h]
+    assert rates == pytest.approx([h["learning_rate"] for h in ddp[0]["log_history"] if "loss" in h])
+    assert rates[0] == pytest.approx(2e-3) and rates[1] == pytest.approx(2e-3 / 1.5)  # the user's schedule
+    assert losses(sync[0]) == pytest.approx(losses(ddp[0]), rel=1e-5)
+    assert rel(flat(sync[0]["params"]), flat(ddp[0]["params"])) < 1e-6
 
 
 def test_non_elementwise_optimizer_fails_at_construction(tmp_path: Path) -> None:

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step_sleep", type=float, default=0.0, help="sleep after every step (seconds)")
     parser.add_argument("--train_size", type=int, default=256, help="training examples")
     parser.add_argument("--slow_rank_delay", type=float, default=0.0, help="rank 1 sleeps this long per micro-batch")
+    parser.add_argument("--user_optimizer", action="store_true", help="pass an AdamW instance and a LambdaLR")
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
     trainer_cls, args_cls = (ACCOTrainer, ACCOConfig) if cli.acco else (Trainer, TrainingArguments)
@@ -151,12 +152,17 @@ def main(argv: list[str] | None = None) -> dict:
             save_rng_state(self, output_dir)
 
         trainer_cls._save_rng_state = dying_save
+    optimizers = (None, None)
+    if cli.user_optimizer:  # the user's own optimizer and schedule (one group, their settings)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.05)
+        optimizers = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.5 * step)))
     trainer = trainer_cls(
         model=model,
         args=args,
         train_dataset=make_dataset(cli.train_size, 1),
         eval_dataset=make_dataset(32, 2),
         callbacks=callbacks,
+        optimizers=optimizers,
     )
     trainer.train(resume_from_checkpoint=True if cli.resume == "last" else cli.resume)
     trainer.save_model(os.path.join(cli.output_dir, "final"))
