@@ -43,6 +43,39 @@ def put_own_pieces(layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, 
     own_pieces(layout, flat, rank).copy_(shard.view(layout.num_buckets, layout.chunk))
 
 
+def hparam_numbers(hparams: list[dict[str, Any]]) -> list[float]:
+    """The numeric hyper-parameters of every group (numbers and tuples of numbers, not flags), in a fixed order."""
+    out: list[float] = []
+    for group in hparams:
+        for key in sorted(group):
+            value = group[key]
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out.append(float(value))
+            elif isinstance(value, tuple) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+            ):
+                out.extend(float(v) for v in value)
+    return out
+
+
+def with_hparam_numbers(hparams: list[dict[str, Any]], numbers: list[float]) -> list[dict[str, Any]]:
+    """``hparams`` with its numbers (as ``hparam_numbers`` lists them) replaced by ``numbers``, types kept."""
+    it = iter(numbers)
+    out = []
+    for group in hparams:
+        new = dict(group)
+        for key in sorted(group):
+            value = group[key]
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                new[key] = type(value)(next(it))
+            elif isinstance(value, tuple) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+            ):
+                new[key] = tuple(type(v)(next(it)) for v in value)
+        out.append(new)
+    return out
+
+
 def narrow_own_pieces(layout: FlatLayout, src: torch.Tensor, flat: torch.Tensor, rank: int) -> None:
     """This rank's pieces of ``flat`` <- ``src`` ((num_buckets, chunk), wider), where ``src`` is this rank's pieces
     of the same memory seen in a wider dtype. Bucket by bucket in increasing order: piece b of the narrow view ends
@@ -144,7 +177,13 @@ class Round:
         # this round: the device collectives below never wait on a peer that has not started them (on NCCL such a
         # kernel would spin on the device while the main thread goes on), and the round can finish without the
         # other ranks' main threads.
-        total_weight, total_micro_batches, joined = comm.all_reduce_counts(counts)
+        # Rank 0's numeric hyper-parameters ride along (the others add zeros): every rank updates its shard with the
+        # same learning rate and weight decay in the same round, even when their schedulers have drifted apart
+        # (dynamic accumulation under Trainer: ranks launch a round at different Trainer steps).
+        numbers = hparam_numbers(hparams)
+        mine = numbers if self.rank == 0 else [0.0] * len(numbers)
+        total_weight, total_micro_batches, joined, *agreed = comm.all_reduce_counts(list(counts) + mine)
+        hparams = with_hparam_numbers(hparams, agreed)
         everyone_in.set()
         if total_weight <= 0 and joined == 0:  # the same on every rank: all raise before any device collective
             raise ValueError(

@@ -320,3 +320,30 @@ def test_dynamic_halves_on_a_slow_link() -> None:
         assert min(rank["halves"]) >= 1, rank["halves"]
         assert sum(rank["halves"]) == rank["micro_batches"], rank
         assert len(rank["halves"]) == 2 * 6 == 2 * rank["steps"], rank
+
+
+def _train_with_drifted_hparams(rank: int, world_size: int, drift: bool) -> list[torch.Tensor]:
+    model = tiny_llama()
+    opt = ACCOOptimizer(decay_groups(model, WD), micro_batches=MICRO, max_grad_norm=CLIP, **HP)
+    for t in range(4):
+        for group in opt.param_groups:  # a scheduler's warm-up; with drift, rank 1's is 3 steps ahead
+            group["lr"] = HP["lr"] * (t + 1 + (3 if drift and rank == 1 else 0)) / 8
+        if drift and rank == 1:
+            opt.param_groups[0]["weight_decay"] = 0.5
+        for i in range(MICRO):
+            mean_loss(model, batch(rank, t * MICRO + i))[0].backward()
+            opt.after_backward()
+        opt.step()
+    with opt.committed_parameters():
+        out = _params(model)
+    opt.close()
+    return out
+
+
+def test_every_rank_updates_with_rank_0s_hyper_parameters_in_each_round() -> None:
+    """Under Trainer in dynamic mode ranks launch a round at different Trainer steps, so their schedulers differ:
+    the round takes rank 0's learning rate and weight decay for every shard (sent with the counts)."""
+    drifted = run_ranks(_train_with_drifted_hparams, drift=True)
+    agreed = run_ranks(_train_with_drifted_hparams, drift=False)
+    for a, b in zip(drifted[0] + drifted[1], agreed[0] + agreed[1]):
+        assert torch.equal(a, b)
