@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,19 +43,21 @@ def put_own_pieces(layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, 
     own_pieces(layout, flat, rank).copy_(shard.view(layout.num_buckets, layout.chunk))
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numeric_items(group: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """A group's numeric hyper-parameters (numbers and tuples of numbers, not flags), in a fixed order."""
+    for key in sorted(group):
+        value = group[key]
+        if _is_number(value) or (isinstance(value, tuple) and all(map(_is_number, value))):
+            yield key, value
+
+
 def hparam_numbers(hparams: list[dict[str, Any]]) -> list[float]:
-    """The numeric hyper-parameters of every group (numbers and tuples of numbers, not flags), in a fixed order."""
-    out: list[float] = []
-    for group in hparams:
-        for key in sorted(group):
-            value = group[key]
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out.append(float(value))
-            elif isinstance(value, tuple) and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
-            ):
-                out.extend(float(v) for v in value)
-    return out
+    """The numeric hyper-parameters of every group, flattened (``with_hparam_numbers`` puts them back)."""
+    return [float(v) for g in hparams for _, value in _numeric_items(g) for v in _as_tuple(value)]
 
 
 def with_hparam_numbers(hparams: list[dict[str, Any]], numbers: list[float]) -> list[dict[str, Any]]:
@@ -64,16 +66,15 @@ def with_hparam_numbers(hparams: list[dict[str, Any]], numbers: list[float]) -> 
     out = []
     for group in hparams:
         new = dict(group)
-        for key in sorted(group):
-            value = group[key]
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                new[key] = type(value)(next(it))
-            elif isinstance(value, tuple) and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
-            ):
-                new[key] = tuple(type(v)(next(it)) for v in value)
+        for key, value in _numeric_items(group):
+            values = tuple(type(v)(next(it)) for v in _as_tuple(value))
+            new[key] = values if isinstance(value, tuple) else values[0]
         out.append(new)
     return out
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
 
 
 def narrow_own_pieces(layout: FlatLayout, src: torch.Tensor, flat: torch.Tensor, rank: int) -> None:
