@@ -6,20 +6,21 @@ every rank walks the same seeded permutation of the dataset, and takes the next 
 ``store.add`` on torch.distributed's c10d store (the one the process group was built on): the batches of all
 ranks together are the permutation cut into batches, each exactly once, whatever the speeds.
 
-One claim is one micro-batch, made when the rank is about to compute it, so at an optimizer-step boundary no rank
-holds a claimed, unused batch: the epoch's state is the counter alone (``state_dict``), and it resumes on any
-number of ranks (``load_state_dict``) without repeating or skipping a sample. Pure torch.
+A claim is one micro-batch. Each claimed batch number is also kept (``taken``, in claim order) so that the loader's
+batches can be matched to their place in the epoch: pacing.py ends optimizer steps where the claims say. An epoch
+resumed mid-way starts at a batch number (``set_epoch(epoch, start)``) on any number of ranks. Pure torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-STATE_FORMAT = "hf_acco.claims/1"
+_SAMPLERS = itertools.count()  # every rank builds its samplers in the same order: the same counter names
 
 
 def default_store() -> dist.Store:
@@ -37,7 +38,13 @@ class ClaimingBatchSampler:
         seed: the permutation's seed (the same on every rank); ``epoch`` is added to it, as DistributedSampler does.
         drop_last: drop the epoch's last, shorter batch (every rank agrees: it is the same batch).
         shuffle: ``False`` walks ``range(num_samples)`` in order.
-        key: the counter's name in the store (one counter per epoch under it).
+        key: the counters' name in the store (default: one per sampler built, numbered in the order every rank
+            builds them; one counter per ``set_epoch`` under it).
+        num_replicas: the ranks sharing the epoch; ``len()`` is one rank's share on average.
+        order: ``order(epoch)`` gives the epoch's sample order instead of the seeded permutation (e.g. grouped by
+            length); the same on every rank.
+
+    Call ``set_epoch`` before every epoch, as for DistributedSampler: each call opens a new counter.
     """
 
     def __init__(
@@ -48,17 +55,27 @@ class ClaimingBatchSampler:
         seed: int = 0,
         drop_last: bool = False,
         shuffle: bool = True,
-        key: str = "hf_acco/claims",
+        key: str | None = None,
+        num_replicas: int = 1,
+        order: Callable[[int], Sequence[int]] | None = None,
     ) -> None:
-        if num_samples < 1 or batch_size < 1:
-            raise ValueError(f"need num_samples >= 1 and batch_size >= 1, got {num_samples} and {batch_size}")
+        if num_samples < 1 or batch_size < 1 or num_replicas < 1:
+            raise ValueError(
+                f"need num_samples, batch_size, num_replicas >= 1, got {num_samples}, {batch_size}, {num_replicas}"
+            )
         self.store, self.num_samples, self.batch_size = store, num_samples, batch_size
-        self.seed, self.drop_last, self.shuffle, self.key = seed, drop_last, shuffle, key
-        self.epoch = 0
-        self.claimed = 0  # batches this rank has claimed in this epoch
+        self.seed, self.drop_last, self.shuffle, self.order = seed, drop_last, shuffle, order
+        self.key = key if key is not None else f"hf_acco/claims/{next(_SAMPLERS)}"
+        self.num_replicas = num_replicas
+        self.epoch, self.start, self._opened = 0, 0, 0
+        self.taken: deque[int] = deque()  # batch numbers claimed and handed out, oldest first
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.claimed = epoch, 0
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The next iteration walks epoch ``epoch`` from batch number ``start`` (a resumed epoch: the batches before
+        it were used), on a fresh counter."""
+        self.epoch, self.start = epoch, start
+        self._opened += 1
+        self.taken.clear()
 
     @property
     def num_batches(self) -> int:
@@ -67,11 +84,13 @@ class ClaimingBatchSampler:
         return full + (1 if rest and not self.drop_last else 0)
 
     def __len__(self) -> int:
-        # Over all ranks: how many this rank gets depends on its speed. Loaders that need a length (Trainer's
-        # steps per epoch) get the epoch's total; the end of the epoch is the shared counter's.
-        return self.num_batches
+        # One rank's share on average, as DistributedSampler's: Trainer's steps per epoch come out as under DDP. How
+        # many a rank gets depends on its speed; the epoch ends when the shared counter passes num_batches.
+        return -(-self.num_batches // self.num_replicas)
 
     def permutation(self) -> torch.Tensor:
+        if self.order is not None:
+            return torch.as_tensor(list(self.order(self.epoch)), dtype=torch.long)
         if not self.shuffle:
             return torch.arange(self.num_samples)
         g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -80,38 +99,12 @@ class ClaimingBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         order = self.permutation()
         while True:
-            b = self._claim()
+            b = self.start + self._claim()
             if b >= self.num_batches:
                 return
-            self.claimed += 1
+            self.taken.append(b)
             yield order[b * self.batch_size : (b + 1) * self.batch_size].tolist()
 
-    def _counter(self) -> str:
-        return f"{self.key}/epoch{self.epoch}"
-
     def _claim(self) -> int:
-        """The next batch index of this epoch, for this rank alone (atomic across ranks)."""
-        return int(self.store.add(self._counter(), 1)) - 1
-
-    # ---- resume -------------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The epoch's position: batches claimed by all ranks so far. Take it at a step boundary (no claimed batch
-        unused), on any rank: it is the same everywhere."""
-        return {"format": STATE_FORMAT, "epoch": self.epoch, "seed": self.seed, "claimed": int(self.store.add(
-            self._counter(), 0)), "num_samples": self.num_samples, "batch_size": self.batch_size}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any], set_counter: bool) -> None:
-        """Continue an epoch where ``state`` left it (any number of ranks). ``set_counter`` on exactly one rank,
-        before any rank iterates (e.g. rank 0, then a barrier): it writes the shared counter."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError("Not an hf_acco claims state (missing or unknown 'format').")
-        for name in ("num_samples", "batch_size", "seed"):
-            if state[name] != getattr(self, name):
-                raise ValueError(
-                    f"The saved data position was for {name}={state[name]}, this run has {getattr(self, name)}: "
-                    "resume with the same dataset, batch size and seed."
-                )
-        self.set_epoch(state["epoch"])
-        if set_counter:
-            self.store.set(self._counter(), str(int(state["claimed"])))
+        """The next batch of this pass over the epoch, for this rank alone (atomic across ranks)."""
+        return int(self.store.add(f"{self.key}/{self._opened}", 1)) - 1

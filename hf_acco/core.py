@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype
 from .comm import Communicator
-from .halves import DynamicHalves, FixedHalves, round_ends_soon
+from .halves import DynamicHalves, FixedHalves, PacedHalves, round_ends_soon
 from .inflight import RoundsInFlight
 from .optim import ShardOptimizer, check_elementwise
 from .rounds import Round, RoundResult, check_nonfinite
@@ -86,7 +86,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
             Parameters with ``requires_grad=False`` are left out; each parameter object is counted once.
         optimizer_cls (`type`, defaults to `torch.optim.AdamW`): the element-wise inner optimizer.
         schedule (`str`, defaults to `"acco"`): ``"acco"``, ``"dpu"`` or ``"sync"``.
-        accumulation (`str`, defaults to `"fixed"`): ``"fixed"`` or ``"dynamic"``.
+        accumulation (`str`, defaults to `"fixed"`): ``"fixed"``, ``"dynamic"`` or ``"paced"`` (the caller ends each
+            half with ``end_half()`` and each step with ``step()``, and a rank may have no micro-batch in either:
+            the claimed micro-batches of pacing.py).
         micro_batches (`int`, defaults to 2): fixed mode: micro-batches per optimizer step per rank (even for
             acco: half of them per half).
         min_micro_batches (`int`, defaults to 1): dynamic mode: least micro-batches per half per rank.
@@ -163,8 +165,12 @@ class ACCOOptimizer(torch.optim.Optimizer):
             "or size differ). Build the same model with the same frozen/LoRA setup on every rank."
         )  # fmt: skip
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
-        dynamic = self.accumulation is Accumulation.DYNAMIC
-        self.halves = DynamicHalves(*counts) if dynamic else FixedHalves(*counts)
+        policy = {
+            Accumulation.FIXED: FixedHalves,
+            Accumulation.DYNAMIC: DynamicHalves,
+            Accumulation.PACED: PacedHalves,
+        }
+        self.halves = policy[self.accumulation](*counts)
         self.stats = EngineStats()
         self._round = Round(
             self.layout, self.comm, self.shard, max_grad_norm, nonfinite, shard_grad_of=self.buffers.shard_grad_of
@@ -231,6 +237,14 @@ class ACCOOptimizer(torch.optim.Optimizer):
         """Whether the current optimizer step has all its micro-batches (fixed) or its round finished (dynamic)."""
         return self.phase is Phase.CORRECTION and self._half_done()
 
+    def end_half(self) -> None:
+        """Paced accumulation: end half A here (the A→B boundary), whatever this rank computed in it. Nothing to do
+        in half B, under dpu and sync (one half per step) and during a synchronous warm-up."""
+        if self.accumulation is not Accumulation.PACED:
+            raise RuntimeError("end_half() is for accumulation='paced'; the other modes end their halves themselves.")
+        if self.phase is Phase.ESTIMATE and self._schedule_now() is Schedule.ACCO:
+            self._boundary_estimate_to_correction()
+
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """End the optimizer step: the B→A boundary. May be called early (the short last window of an epoch).
 
@@ -293,7 +307,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         step already: there it only checks that the caller is at a step boundary.
         """
         self.train()
-        if self.accumulation is Accumulation.FIXED:
+        if self.accumulation is not Accumulation.DYNAMIC:  # fixed and paced keep ranks in step already
             self._check_step_boundary("rendezvous")
             return
         self._joined = True
@@ -420,12 +434,14 @@ class ACCOOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _end_step(self) -> None:
         """The B→A boundary: launch the commit round of this step with G_A + G_B (see ``STEP_END``)."""
+        empty_allowed = self._joined or self.accumulation is Accumulation.PACED  # the peers' micro-batches make it
         if self.phase is Phase.ESTIMATE:  # short window: half A was all there was, half B is empty
-            if self._half_count == 0 and not self._joined:
+            if self._half_count == 0 and not empty_allowed:
                 raise RuntimeError("ACCOOptimizer.step() was called before any micro-batch was accumulated.")
             self._boundary_estimate_to_correction()
         self._finish_half()
-        if self.buffers.hook_calls == 0 and not self._joined:
+        counted = any(c for c, _ in self._step_counts)
+        if self.buffers.hook_calls == 0 and (counted or not empty_allowed):
             raise RuntimeError(
                 "No gradient reached the ACCO optimizer during this step: were the model's parameters replaced "
                 "after it was built, or was backward() never called?"

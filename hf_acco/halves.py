@@ -9,6 +9,9 @@ it has finished, or is expected to finish within half of this rank's next micro-
 hold up the next round of every rank), with at least ``min_micro_batches`` and at most ``max_micro_batches``. The
 expectation comes from this rank's recent micro-batch and round durations. During a synchronous warm-up (no
 round to overlap) it counts like ``FixedHalves``.
+
+``PacedHalves``: the caller ends each half and step, where the global batch's claimed micro-batches say (pacing.py);
+a rank may have none in a half.
 """
 
 from __future__ import annotations
@@ -73,6 +76,14 @@ class FixedHalves:
 
     def round_finished(self, seconds: float) -> None:
         pass
+
+
+class PacedHalves(FixedHalves):
+    """No half ends by itself: the caller ends them (``ACCOOptimizer.end_half`` and ``step``), where its claimed
+    micro-batches cross a half's share of the global batch (pacing.py)."""
+
+    def half_done(self, count: int, schedule: Schedule, inflight: InFlight | None, first: bool = True) -> bool:
+        return False
 
 
 class DynamicHalves(FixedHalves):

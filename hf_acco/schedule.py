@@ -25,8 +25,9 @@ class Schedule(str, Enum):
 
 
 class Accumulation(str, Enum):
-    FIXED = "fixed"
-    DYNAMIC = "dynamic"
+    FIXED = "fixed"  # a set number of micro-batches per half per rank
+    DYNAMIC = "dynamic"  # each rank computes until the round in flight has finished
+    PACED = "paced"  # the caller ends halves and steps (claimed micro-batches, see pacing.py)
 
 
 class Phase(Enum):
@@ -95,6 +96,8 @@ def validate_settings(
 def check_counts(
     schedule: Schedule, accumulation: Accumulation, micro_batches: int, min_mb: int, max_mb: int | None
 ) -> None:
+    if accumulation is Accumulation.PACED:
+        return  # the caller's data says where halves and steps end (pacing.py checks its own counts)
     if accumulation is Accumulation.FIXED:
         if schedule is Schedule.ACCO and micro_batches < 2:
             raise ValueError(

@@ -1,0 +1,138 @@
+"""Optimizer steps paced by claimed micro-batches: a faster rank computes more of each step (pure torch).
+
+Every optimizer step is one global batch of ``micro_batches`` micro-batches: the batch numbers
+``[cursor, cursor + micro_batches)`` of the epoch (claims.py). Whichever rank claims a batch computes it, so a rank
+twice as fast computes about twice as many; the step's half A (acco) is the first ``micro_batches // 2`` of them,
+half B the rest. A rank ends its half when its next claim lies beyond it, and its step when the claim lies in a later
+step (it keeps that batch for then) or the epoch's batches are all claimed. A rank may compute nothing in a half or a
+step; it still takes part in the step's rounds, which average its peers' gradients.
+
+So the global batch, the steps per epoch (``ceil(num_batches / micro_batches)``), the learning-rate schedule and
+every rank's step count are what they would be with ``micro_batches`` spread evenly: only who computes what depends
+on speed, and the step is the single-process step over the same micro-batches (up to the order of float sums). Ranks
+meet at no point but the rounds; at every step boundary all of them are at the same step, with no claimed batch of
+an earlier step unused, so the position in the epoch is the cursor alone (``state_dict``): it resumes on any number
+of ranks.
+
+    pacer = Pacer(loader, sampler, micro_batches=world_size * 4)    # loader: DataLoader(batch_sampler=sampler)
+    for epoch in range(epochs):
+        pacer.set_epoch(epoch)
+        while not pacer.epoch_done:
+            for batch in pacer.step_batches(optimizer):           # optimizer: ACCOOptimizer(accumulation="paced")
+                model(**batch).loss.backward()
+                optimizer.after_backward()
+            scheduler.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from .claims import ClaimingBatchSampler
+from .schedule import Accumulation
+
+STATE_FORMAT = "hf_acco.pacing/1"
+_CHECKED = ("num_samples", "batch_size", "seed")  # what a resumed run must share with the saved one
+
+
+class Pacer:
+    """Steps of ``micro_batches`` claimed micro-batches (over all ranks) for a paced ``ACCOOptimizer``.
+
+    Args:
+        loader: yields the batches of ``sampler``'s claims in claim order (a DataLoader with
+            ``batch_sampler=sampler``, ``in_order=True``: the default).
+        sampler: the ``ClaimingBatchSampler`` behind ``loader``.
+        micro_batches: micro-batches per optimizer step over all ranks (for acco at least 2: one per half).
+    """
+
+    def __init__(self, loader: Iterable[Any], sampler: ClaimingBatchSampler, micro_batches: int) -> None:
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches (per step, over all ranks) must be >= 1, got {micro_batches}")
+        if getattr(loader, "in_order", True) is False:
+            raise ValueError("The loader must return batches in claim order: build the DataLoader with in_order=True.")
+        self.loader, self.sampler, self.micro_batches = loader, sampler, micro_batches
+        self.epoch, self.cursor = 0, 0  # the next step's first batch number
+        self.computed = 0  # micro-batches this rank computed, in all
+        self._it: Iterator[Any] | None = None
+        self._held: tuple[int, Any] | None = None  # a claimed batch of a later step
+        self._exhausted = False
+        self._resume: dict[str, Any] | None = None
+
+    @property
+    def num_batches(self) -> int:
+        return self.sampler.num_batches
+
+    @property
+    def epoch_done(self) -> bool:
+        return self.cursor >= self.num_batches
+
+    @property
+    def progress(self) -> float:
+        """Epochs done, with the fraction of this one (as Trainer's ``state.epoch``)."""
+        return self.epoch + min(self.cursor, self.num_batches) / self.num_batches
+
+    def steps_left(self) -> int:
+        return -(-max(self.num_batches - self.cursor, 0) // self.micro_batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` (where a loaded state left it, if it is that epoch). Every rank, in the same order."""
+        start = 0
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            start, self._resume = self._resume["cursor"], None
+        self.sampler.set_epoch(epoch, start)
+        self.epoch, self.cursor = epoch, start
+        self._it, self._held, self._exhausted = iter(self.loader), None, False
+
+    def step_batches(self, optimizer: Any) -> Iterator[Any]:
+        """This rank's micro-batches of the next optimizer step; ends the step's halves and the step on
+        ``optimizer`` as the claims cross them (the step has ended when the iterator is done)."""
+        if self._it is None:
+            raise RuntimeError("Call set_epoch(epoch) before the first step of an epoch.")
+        if self.epoch_done:
+            raise RuntimeError(f"Epoch {self.epoch} has no step left: call set_epoch for the next one.")
+        if getattr(optimizer, "accumulation", None) is not Accumulation.PACED:
+            raise ValueError("Pacer drives an ACCOOptimizer built with accumulation='paced'.")
+        lo = self.cursor
+        hi, mid = min(lo + self.micro_batches, self.num_batches), lo + self.micro_batches // 2
+        while True:
+            held = self._next()
+            if held is None or held[0] >= hi:  # the data is used up, or the batch is a later step's: keep it
+                break
+            if held[0] >= mid:
+                optimizer.end_half()  # nothing once in half B, or without two halves (dpu, sync, warm-up)
+            self._held = None
+            self.computed += 1
+            yield held[1]
+        optimizer.step()
+        self.cursor = hi
+
+    def _next(self) -> tuple[int, Any] | None:
+        """The oldest claimed, uncomputed batch with its batch number; None once the epoch's batches are claimed."""
+        if self._held is None and not self._exhausted:
+            try:
+                batch = next(self._it)  # type: ignore[arg-type]
+            except StopIteration:
+                self._exhausted = True
+                return None
+            self._held = (self.sampler.taken.popleft(), batch)
+        return self._held
+
+    # ---- resume -------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the data at a step boundary: the same on every rank, for any number of ranks."""
+        state = {name: getattr(self.sampler, name) for name in _CHECKED}
+        return {"format": STATE_FORMAT, "epoch": self.epoch, "cursor": self.cursor, **state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` left off: ``set_epoch(state["epoch"])`` starts at its cursor."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError("Not an hf_acco data position (missing or unknown 'format').")
+        for name in _CHECKED:
+            if state[name] != getattr(self.sampler, name):
+                raise ValueError(
+                    f"The saved data position was for {name}={state[name]}, this run has "
+                    f"{getattr(self.sampler, name)}: resume with the same dataset, batch size and seed."
+                )
+        self._resume = dict(state)
