@@ -6,6 +6,7 @@ without resetting its defaults; ``ACCOConfig`` is the mixin plus TrainingArgumen
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -28,6 +29,13 @@ def splits_batches(args: TrainingArguments) -> bool:
         getattr(args, "acco_schedule", "acco") == "acco" and getattr(args, "acco_accumulation", "fixed") == "fixed"
     )
     return fixed_acco and args.gradient_accumulation_steps == 1
+
+
+def engine_accumulation(args: TrainingArguments) -> str:
+    """The engine's accumulation mode: ``acco_accumulation="dynamic"`` under Trainer is paced (pacing.py): each
+    step is one global batch of ``world_size x gradient_accumulation_steps`` micro-batches claimed by the ranks at
+    their own pace."""
+    return "paced" if getattr(args, "acco_accumulation", "fixed") == "dynamic" else "fixed"
 
 
 def engine_micro_batches(args: TrainingArguments) -> int:
@@ -57,9 +65,15 @@ class ACCOConfigMixin:
             overlap; equals DDP).
         acco_accumulation (`str`, *optional*, defaults to `"fixed"`):
             `"fixed"`: `gradient_accumulation_steps` micro-batches per step per rank (reproducible). `"dynamic"`:
-            each rank keeps computing micro-batches while a round is in flight (slower and faster GPUs together).
+            slower and faster GPUs together: each step is one global batch of `world_size x
+            gradient_accumulation_steps` micro-batches, and every rank computes as many of them as its speed allows
+            (each claims the next micro-batch of a shared, seeded order of the data: every sample once per epoch).
+            `gradient_accumulation_steps` is what a rank of average speed computes; the global batch, the steps per
+            epoch and the learning-rate schedule are those of DDP with the same settings.
         acco_min_micro_batches (`int`, *optional*, defaults to 1):
-            Dynamic accumulation: least micro-batches per half per rank.
+            Not used by ACCOTrainer (a half is half of the global batch, whoever computes it); the engine's own
+            dynamic mode (`ACCOOptimizer(accumulation="dynamic")`, hand-written loops) takes it as
+            `min_micro_batches`. Another value warns.
         acco_warmup_steps (`int`, *optional*, defaults to 0):
             Synchronous optimizer steps before the schedule starts (ACCO needs none; DPU often does).
         acco_reduce_scatter (`str`, *optional*, defaults to `"auto"`):
@@ -94,13 +108,14 @@ class ACCOConfigMixin:
     acco_accumulation: str = field(
         default="fixed",
         metadata={
-            "help": "fixed: gradient_accumulation_steps micro-batches per step per rank. dynamic: each rank keeps "
-            "computing micro-batches while a round is in flight.",
+            "help": "fixed: gradient_accumulation_steps micro-batches per step per rank. dynamic: a global batch of "
+            "world_size x gradient_accumulation_steps micro-batches per step, each rank computing as many as its "
+            "speed allows.",
             "choices": ["fixed", "dynamic"],
         },
     )
     acco_min_micro_batches: int = field(
-        default=1, metadata={"help": "Dynamic accumulation: least micro-batches per half per rank."}
+        default=1, metadata={"help": "Not used by ACCOTrainer (the engine's own dynamic mode: least per half)."}
     )
     acco_warmup_steps: int = field(
         default=0, metadata={"help": "Synchronous optimizer steps before the schedule starts."}
@@ -142,9 +157,18 @@ class ACCOConfigMixin:
         check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
         super().__post_init__()
         check_halves(self)
+        if self.acco_accumulation not in ("fixed", "dynamic"):
+            raise ValueError(f"acco_accumulation must be 'fixed' or 'dynamic', got {self.acco_accumulation!r}")
         validate_settings(
-            self.acco_schedule, self.acco_accumulation, engine_micro_batches(self), self.acco_min_micro_batches
+            self.acco_schedule, engine_accumulation(self), engine_micro_batches(self), self.acco_min_micro_batches
         )
+        if self.acco_min_micro_batches != 1:
+            warnings.warn(
+                "acco_min_micro_batches has no effect under ACCOTrainer: with acco_accumulation='dynamic' each half "
+                "is half of the global batch (world_size x gradient_accumulation_steps micro-batches), whoever "
+                "computes it. Set gradient_accumulation_steps instead.",
+                stacklevel=2,
+            )
         if self.acco_accumulation == "dynamic" and self.average_tokens_across_devices:
             # Trainer would all-gather token counts every step, holding fast ranks back to the slowest; ACCOTrainer
             # undoes the per-rank normalisation exactly instead (see ACCOTrainer._micro_batch_weight).

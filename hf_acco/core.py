@@ -248,12 +248,20 @@ class ACCOOptimizer(torch.optim.Optimizer):
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """End the optimizer step: the B→A boundary. May be called early (the short last window of an epoch).
 
-        With ``auto_step`` the engine ends its steps itself and this does nothing.
+        With ``auto_step`` the engine ends its steps itself and this does nothing; with paced accumulation the
+        caller ends them with ``end_step()``.
         """
         if closure is not None:
             raise ValueError("ACCOOptimizer.step does not take a closure.")
-        if not self.auto_step:
+        if not self.auto_step and self.accumulation is not Accumulation.PACED:
             self._end_step()
+
+    def end_step(self) -> None:
+        """Paced accumulation: end the optimizer step here (the B→A boundary), whatever this rank computed in it.
+        ``step()`` does nothing in this mode: the caller's loop (Trainer's) may call it at its own window ends."""
+        if self.accumulation is not Accumulation.PACED:
+            raise RuntimeError("end_step() is for accumulation='paced'; call step() in the other modes.")
+        self._end_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the engine's buffer (``p.grad`` is always ``None``): nothing to do."""

@@ -73,7 +73,9 @@ class Pacer:
         return self.epoch + min(self.cursor, self.num_batches) / self.num_batches
 
     def steps_left(self) -> int:
-        return -(-max(self.num_batches - self.cursor, 0) // self.micro_batches)
+        """Optimizer steps left in this epoch (in the epoch a loaded state continues, before it starts)."""
+        cursor = self._resume["cursor"] if self._resume is not None else self.cursor
+        return -(-max(self.num_batches - cursor, 0) // self.micro_batches)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (where a loaded state left it, if it is that epoch). Every rank, in the same order."""
@@ -104,7 +106,7 @@ class Pacer:
             self._held = None
             self.computed += 1
             yield held[1]
-        optimizer.step()
+        optimizer.end_step()
         self.cursor = hi
 
     def _next(self) -> tuple[int, Any] | None:
@@ -126,7 +128,8 @@ class Pacer:
         return {"format": STATE_FORMAT, "epoch": self.epoch, "cursor": self.cursor, **state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` left off: ``set_epoch(state["epoch"])`` starts at its cursor."""
+        """Continue where ``state`` left off: ``set_epoch(state["epoch"])`` starts at its cursor (an epoch's end is
+        the next epoch's start: ``resume_epoch``)."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError("Not an hf_acco data position (missing or unknown 'format').")
         for name in _CHECKED:
@@ -136,3 +139,10 @@ class Pacer:
                     f"{getattr(self.sampler, name)}: resume with the same dataset, batch size and seed."
                 )
         self._resume = dict(state)
+        if self._resume["cursor"] >= self.num_batches:
+            self._resume.update(epoch=state["epoch"] + 1, cursor=0)
+
+    @property
+    def resume_epoch(self) -> int:
+        """The epoch a loaded state continues (0 without one)."""
+        return self._resume["epoch"] if self._resume is not None else self.epoch

@@ -10,17 +10,18 @@ What it intercepts, and why (Trainer's loop itself is not copied or overridden):
 * ``save_model``, ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``: committed parameters
   in the model files; one optimizer shard file per rank; re-sharding on load.
 * ``_finalize_training``: drain the round in flight and leave the committed parameters in the model.
-* ``evaluate`` / ``_save_checkpoint`` in dynamic mode: ranks first meet at one optimizer-step boundary.
-
-Dynamic accumulation under Trainer. Trainer's step stays what it is: ``gradient_accumulation_steps``
-micro-batches per rank, so the data order, epochs, ``max_steps``, the LR schedule (one scheduler step per
-Trainer step: the learning rate follows the data consumed), logging, evaluation and checkpoint cadence are
-Trainer's, and no micro-batch is dropped or repeated. ACCO's optimizer steps are decoupled from it: a rank
-ends an ACCO half (and step) whenever the round in flight has finished, so a faster rank contributes more
-micro-batches to each round and runs ahead in Trainer steps, until the next point where Trainer's ranks meet
-(logging gathers the loss; evaluation, checkpoints and the end of training meet through ``rendezvous``).
-``global_step`` counts Trainer steps; ``acco_optimizer_steps`` and the per-rank micro-batch counts are logged.
+* dynamic mode (``acco_accumulation="dynamic"``): ``get_train_dataloader`` builds Trainer's data pipeline over
+  batches every rank claims from one shared, seeded order (claims.py), and gives Trainer slots to iterate;
+  ``get_batch_samples`` turns a window into slots; ``training_step`` runs one ACCO step in the window's last slot
+  (pacing.py); ``_init_training_state`` takes the epoch and the position in it from the checkpoint.
 * ``log``: ACCO's figures (exposed communication, round time, micro-batches, tokens) next to the loss.
+
+Dynamic accumulation under Trainer. A Trainer step is one ACCO optimizer step over one global batch of
+``world_size x gradient_accumulation_steps`` micro-batches; each rank computes as many of them as its speed allows
+(the next one it claims), so a rank twice as fast computes about twice as many, and every sample is used once per
+epoch. The steps per epoch, ``max_steps``, the learning-rate schedule and the logging, evaluation and checkpoint
+cadence are Trainer's (as under DDP with the same settings); every rank is at the same step at every boundary, so
+they add no meeting point. Per-rank micro-batches and tokens are logged.
 
 Evaluation sees the committed parameters through the optimizer's ``eval()``/``train()``, which Trainer calls
 around evaluation and before every micro-batch.
@@ -29,27 +30,36 @@ around evaluation and before every micro-batch.
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
+import itertools
 import json
 import logging
+import math
 import os
 import re
 from typing import Any
 
+import datasets
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+from transformers.trainer_utils import has_length, seed_worker
 
 from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
+from .claims import ClaimingBatchSampler, default_store
 from .comm import Communicator, PeerFailure, check_world_size, is_peer_failure
-from .config import check_halves, check_supported, engine_micro_batches, splits_batches
+from .config import check_halves, check_supported, engine_accumulation, engine_micro_batches, splits_batches
 from .core import ACCOOptimizer
 from .optim import check_elementwise
+from .pacing import Pacer
 from .schedule import Accumulation, validate_settings
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"
+DATA_STATE_NAME = "acco_data_state.json"  # dynamic mode: the position in the epoch (pacing.Pacer.state_dict)
 RUN_DEPENDENT_METRICS = ("acco_exposed_comm_s", "acco_round_s")  # logged, not kept in state.log_history
 TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
@@ -125,7 +135,7 @@ def _check_args(training_args: TrainingArguments) -> None:
     check_halves(training_args)
     validate_settings(
         _setting(training_args, "acco_schedule", "acco"),
-        _setting(training_args, "acco_accumulation", "fixed"),
+        engine_accumulation(training_args),
         engine_micro_batches(training_args),
         _setting(training_args, "acco_min_micro_batches", 1),
     )
@@ -158,9 +168,22 @@ class ACCOTrainerMixin:
             cls, _ = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
             check_elementwise(cls, _setting(self.args, "acco_allow_custom_optimizer", False), _ALLOW_CUSTOM)
         check_world_size(self.accelerator.num_processes)
+        if (
+            engine_accumulation(self.args) == "paced"
+            and _setting(self.args, "acco_schedule", "acco") == "acco"
+            and self.args.world_size * self.args.gradient_accumulation_steps < 2
+        ):
+            raise ValueError(
+                "acco_accumulation='dynamic' with acco_schedule='acco' needs a global batch of at least 2 "
+                "micro-batches (one per half): world_size x gradient_accumulation_steps is 1. Raise "
+                "gradient_accumulation_steps, or use acco_accumulation='fixed' (it splits a micro-batch in two)."
+            )
         _agree_on_jit_checkpoints(self)
         self.acco: ACCOOptimizer | None = None
+        self._pacer: Pacer | None = None  # dynamic mode: the claimed micro-batches of each step
         self._logged_totals: dict[str, float] = {}
+        self._input_tokens = self._logged_tokens = 0.0  # input tokens this rank computed, and when last logged
+        self._step_losses: list[torch.Tensor] = []  # dynamic mode: (loss x weight, weight) per step since the log
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train, resuming only from complete checkpoints (``True``: the latest complete one)."""
@@ -254,7 +277,7 @@ class ACCOTrainerMixin:
             [g for g in groups if g["params"]],
             optimizer_cls=optimizer_cls,
             schedule=_setting(args, "acco_schedule", "acco"),
-            accumulation=_setting(args, "acco_accumulation", "fixed"),
+            accumulation=engine_accumulation(args),
             micro_batches=engine_micro_batches(args),
             min_micro_batches=_setting(args, "acco_min_micro_batches", 1),
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
@@ -264,7 +287,6 @@ class ACCOTrainerMixin:
                 timeout=datetime.timedelta(seconds=_setting(args, "acco_comm_timeout_s", 1800.0)),
             ),
             bucket_numel=_setting(args, "acco_bucket_numel", None),
-            auto_step=_setting(args, "acco_accumulation", "fixed") == "dynamic",  # steps decoupled from Trainer's
             nonfinite=_setting(args, "acco_nonfinite", "skip"),
             comm_dtype=_setting(args, "acco_comm_dtype", "fp32"),
             grad_dtype=_setting(args, "acco_grad_dtype", "fp32"),
@@ -277,11 +299,117 @@ class ACCOTrainerMixin:
         self.optimizer = self.accelerator.prepare_optimizer(self.acco, device_placement=False)
         return self.optimizer
 
+    # ---- data in dynamic mode -----------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> Any:
+        if engine_accumulation(self.args) != "paced":
+            return super().get_train_dataloader()
+        # dynamic mode: each rank claims the micro-batches it computes (pacing.py); Trainer iterates slots
+        self._pacer, self._step_losses = self._build_pacer(), []
+        return _PacedSlots(self._pacer)
+
+    def _build_pacer(self) -> Pacer:
+        """Trainer's data pipeline (unused columns, collator, workers, seed, sampling strategy) over batches claimed
+        from one shared, seeded order of the dataset: every sample once per epoch, whatever the ranks' speeds."""
+        args, dataset = self.args, self.train_dataset
+        if dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not has_length(dataset):
+            raise ValueError(
+                "acco_accumulation='dynamic' needs a dataset with a length (map-style: a datasets.Dataset or a torch "
+                "Dataset): the ranks claim its samples from one shared order. For a streamed dataset use "
+                "acco_accumulation='fixed', or materialise it (datasets: dataset.take(n), then Dataset.from_list)."
+            )
+        collator = self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        strategy = getattr(args, "train_sampling_strategy", "random")
+        if strategy not in ("random", "sequential", "group_by_length"):
+            raise ValueError(
+                f"train_sampling_strategy={strategy!r} is not supported with acco_accumulation='dynamic' (it plans "
+                "each rank's batches ahead; here ranks claim batches as they go). Use 'random', 'sequential' or "
+                "'group_by_length'."
+            )
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        store = default_store() if dist.is_initialized() and dist.get_world_size() > 1 else dist.HashStore()
+        sampler = ClaimingBatchSampler(
+            store, len(dataset), self._train_batch_size, seed=seed, drop_last=args.dataloader_drop_last,
+            shuffle=strategy != "sequential", num_replicas=args.world_size,
+            order=self._length_grouped_order(dataset, seed) if strategy == "group_by_length" else None,
+        )  # fmt: skip
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            prefetch_factor=args.dataloader_prefetch_factor, in_order=args.dataloader_in_order,
+            worker_init_fn=functools.partial(
+                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+            ),
+        )  # fmt: skip
+        return Pacer(loader, sampler, args.world_size * args.gradient_accumulation_steps)
+
+    def _length_grouped_order(self, dataset: Any, seed: int) -> Any:
+        """group_by_length: Trainer's grouping of similar lengths, seeded per epoch the same way on every rank."""
+        column = self.args.length_column_name
+        lengths = dataset[column] if isinstance(dataset, datasets.Dataset) and column in dataset.column_names else None
+        name = self.processing_class.model_input_names[0] if self.processing_class is not None else None
+        grouped = LengthGroupedSampler(self._train_batch_size, dataset=dataset, lengths=lengths, model_input_name=name)
+
+        def order(epoch: int) -> list[int]:
+            generator = torch.Generator().manual_seed(seed + epoch)
+            return get_length_grouped_indices(grouped.lengths, self._train_batch_size, generator=generator)
+
+        return order
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        epochs_trained, steps_trained = super()._init_training_state(*args, **kwargs)
+        if self._pacer is None:
+            return epochs_trained, steps_trained
+        # Dynamic mode: the epoch and the position in it come from the checkpoint's data state (Trainer would
+        # derive them from global_step and skip batches by fetching them, which here would claim them).
+        checkpoint = (
+            inspect.signature(super()._init_training_state)
+            .bind(*args, **kwargs)
+            .arguments.get("resume_from_checkpoint")
+        )
+        if checkpoint is not None:
+            path = os.path.join(checkpoint, DATA_STATE_NAME)
+            if not os.path.isfile(path):
+                raise ValueError(
+                    f"{checkpoint} has no {DATA_STATE_NAME}: it was written with acco_accumulation='fixed'. Resume it "
+                    "with acco_accumulation='fixed'."
+                )
+            with open(path, encoding="utf-8") as f:
+                self._pacer.load_state_dict(json.load(f))
+            if self.args.max_steps <= 0:  # epochs: the steps the data has left at this world size (the same
+                per_epoch = -(-len(self._pacer.sampler) // self.args.gradient_accumulation_steps)  # as Trainer's
+                later = max(self.args.num_train_epochs - self._pacer.resume_epoch - 1, 0)  # count unless the
+                left = self._pacer.steps_left() + math.ceil(later * per_epoch)  # checkpoint had other ranks)
+                self.state.max_steps = self.state.global_step + left
+        return self._pacer.resume_epoch, 0
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if self._pacer is not None and self.state.max_steps:  # dynamic mode: the horizon _init_training_state set
+            num_training_steps = self.state.max_steps
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        if self._pacer is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        # Dynamic mode: Trainer's window is its slots; the last one runs a whole ACCO step (training_step), so that
+        # one Trainer step is one optimizer step with Trainer's own step, logging and checkpoint cadence.
+        slots = sum(1 for _ in itertools.islice(epoch_iterator, num_batches))
+        return [_Slot(last=i == slots - 1) for i in range(slots)], None
+
     # ---- training -----------------------------------------------------------------------------------------
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
+        if isinstance(inputs, _Slot):  # dynamic mode (see get_batch_samples)
+            return self._paced_step(model) if inputs.last else torch.zeros((), device=self.args.device)
         # A window of one micro-batch under fixed acco: its two halves along the batch dimension (each half's
         # gradient weighted by its share of the rows, so the step's gradient is the whole batch's)
         parts = _split_rows(inputs) if splits_batches(self.args) else [(inputs, 1.0)]
@@ -296,9 +424,55 @@ class ACCOTrainerMixin:
             total = loss if total is None else total + loss
         return total
 
+    def _paced_step(self, model: torch.nn.Module) -> torch.Tensor:
+        """One ACCO optimizer step over the micro-batches this rank claims of the step's global batch; returns the
+        mean loss of this rank's micro-batches (weighted as the gradient is)."""
+        loss_sum, weight_sum = torch.zeros((), device=self.args.device), 0.0
+        for inputs in self._pacer.step_batches(self.acco):
+            num_items = self._get_num_items_in_batch([inputs], self.args.device)  # this micro-batch's alone
+            weight, scale = self._micro_batch_weight(inputs, num_items)
+            self.acco.grad_scale = scale
+            loss = super().training_step(model, inputs, num_items)
+            self.acco.grad_scale = 1.0
+            self.acco.after_backward(weight)
+            mean = loss if self._loss_is_scaled(num_items) else loss * self.current_gradient_accumulation_steps
+            loss_sum += mean.detach() * weight
+            weight_sum += weight
+            self.current_flos += float(self.floating_point_ops(inputs))
+            self._input_tokens += self._count_input_tokens(inputs)
+        if self._pacer.epoch_done:
+            self.control.should_epoch_stop = True  # the epoch's batches are all used: every rank ends it here
+        self._step_losses.append(torch.stack([loss_sum, torch.tensor(weight_sum, device=loss_sum.device)]))
+        if weight_sum == 0:  # its peers computed all of this step; Trainer's nan filter fills in the mean so far
+            return torch.tensor(float("nan") if self.args.logging_nan_inf_filter else 0.0, device=self.args.device)
+        return loss_sum / weight_sum
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0 if isinstance(inputs, _Slot) else super().floating_point_ops(inputs)  # a slot's: in _paced_step
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        # Trainer gathers the count across ranks every micro-batch; in dynamic mode the counts are gathered at
+        # logging instead (_acco_metrics): a gather every step would hold the fast rank back to the slow one
+        if not isinstance(inputs, _Slot):
+            super()._track_num_input_tokens(inputs)
+
+    def _count_input_tokens(self, inputs: dict[str, Any]) -> float:
+        if "attention_mask" in inputs and self.args.include_num_input_tokens_seen != "all":
+            return float(inputs["attention_mask"].sum())
+        main = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
+        return float(main.numel()) if torch.is_tensor(main) else 0.0
+
     @property
-    def _dynamic(self) -> bool:
-        return self.acco is not None and self.acco.accumulation is Accumulation.DYNAMIC
+    def _paced(self) -> bool:
+        return self.acco is not None and self.acco.accumulation is Accumulation.PACED
+
+    def _loss_is_scaled(self, num_items_in_batch: torch.Tensor | int | None) -> bool:
+        """Whether Trainer normalised the loss by ``num_items_in_batch`` (else by the window's micro-batch count)."""
+        if self.loss_is_scaled_for_ga is not None:
+            return self.loss_is_scaled_for_ga
+        return (
+            self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ) or self.compute_loss_func is not None
 
     def _micro_batch_weight(
         self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None, share: float = 1.0
@@ -309,16 +483,12 @@ class ACCOTrainerMixin:
         of processes, which DDP divides out again), or a mean loss by the number of micro-batches in the window.
         Fixed mode: the same factor for every micro-batch of a step on every rank, so weight = factor x tokens
         makes the engine's sum / weight the exact token-weighted average, for each half as for the whole step.
-        Dynamic mode: a step spans several of Trainer's windows, whose factors differ, so the gradient is scaled
-        back to a plain token sum and the weight is the token count. ``share``: the fraction of the micro-batch's
-        rows in this part of it (a window of one micro-batch split into two halves), for a mean loss.
+        Dynamic mode: each micro-batch is its own window (its ``num_items_in_batch`` is its own token count), so
+        the gradient is scaled back to a plain token sum and the weight is the token count. ``share``: the fraction
+        of the micro-batch's rows in this part of it (a window of one micro-batch split into two halves), for a
+        mean loss.
         """
-        scaled = self.loss_is_scaled_for_ga
-        if scaled is None:
-            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
-                self.compute_loss_func is not None
-            )
-        if not scaled:
+        if not self._loss_is_scaled(num_items_in_batch):
             return share / self.current_gradient_accumulation_steps, share
         if num_items_in_batch is None:
             return 1.0, 1.0
@@ -327,7 +497,7 @@ class ACCOTrainerMixin:
         if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
             factor = float(self.accelerator.num_processes // self.get_tp_size())
         factor /= float(num_items_in_batch)
-        if self._dynamic:
+        if self._paced:
             return tokens, 1.0 / factor
         return tokens * factor, 1.0
 
@@ -356,6 +526,8 @@ class ACCOTrainerMixin:
         # the previous step's for acco and dpu, whose commit round is still in flight when the step ends.
         if self.acco is not None and self.acco.last_commit is not None:
             grad_norm = self.acco.last_commit.grad_norm
+        if self._pacer is not None:  # the epoch's fraction is the data used, not this rank's slots
+            self.state.epoch = self._pacer.progress
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
@@ -364,17 +536,7 @@ class ACCOTrainerMixin:
             self.acco.close()  # hooks and thread released: another trainer may train this model now
         return super()._finalize_training(*args, **kwargs)
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        if self._dynamic and self.is_in_train:
-            self.acco.rendezvous()  # every rank evaluates the same committed parameters
-        return super().evaluate(*args, **kwargs)
-
     # ---- checkpoints --------------------------------------------------------------------------------------
-
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        if self._dynamic:
-            self.acco.rendezvous()  # shards of every rank from the same commit round
-        super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self.acco is None:
@@ -386,6 +548,8 @@ class ACCOTrainerMixin:
         save_optimizer_state(self.acco, output_dir)  # every rank writes its own shard
         if self.args.should_save:
             atomic_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            if self._pacer is not None:  # the same on every rank at a step boundary
+                _atomic_write_json(self._pacer.state_dict(), os.path.join(output_dir, DATA_STATE_NAME))
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
@@ -430,10 +594,25 @@ class ACCOTrainerMixin:
         if self.acco.last_commit is not None:
             out["acco_global_micro_batches"] = float(self.acco.last_commit.micro_batches)
         out["acco_optimizer_steps"] = float(self.acco.step_count)  # restored by a resume
-        if self._dynamic:  # micro-batches differ per rank: log each (all ranks log at the same Trainer steps)
-            mine = torch.tensor([delta["micro_batches"]], dtype=torch.float64, device=self.args.device)
-            for rank, value in enumerate(self.accelerator.gather(mine).tolist()):
-                out[f"acco_micro_batches_rank{rank}"] = value
+        if self._paced:  # micro-batches differ per rank: log each (all ranks log at the same step: one gather)
+            tokens, self._logged_tokens = self._input_tokens - self._logged_tokens, self._input_tokens
+            counts = torch.tensor([delta["micro_batches"], tokens], dtype=torch.float64, device=self.args.device)
+            losses = torch.stack(self._step_losses).double().flatten() if self._step_losses else counts[:0]
+            self._step_losses = []
+            gathered = self.accelerator.gather(torch.cat([counts, losses])).view(self.args.world_size, -1)
+            # the loss of each step's global batch, weighted as its gradient (whoever computed which micro-batch),
+            # then averaged over the steps as Trainer does: what DDP logs, not a mean of per-rank means
+            sums = gathered[:, 2:].sum(0).view(-1, 2)
+            if len(sums):
+                out["loss"] = float((sums[:, 0] / sums[:, 1]).mean())
+            per_rank = gathered[:, :2].tolist()
+            for rank, (micro_batches, rank_tokens) in enumerate(per_rank):
+                out[f"acco_micro_batches_rank{rank}"] = micro_batches / steps
+                out[f"acco_tokens_rank{rank}"] = rank_tokens / steps
+            global_tokens = sum(t for _, t in per_rank)
+            out["acco_global_batch_tokens"] = global_tokens / steps
+            if self.args.include_num_input_tokens_seen != "no":
+                self.state.num_input_tokens_seen += int(global_tokens)
         return out
 
 
@@ -474,6 +653,41 @@ def _agree_on_jit_checkpoints(trainer: Trainer) -> None:
         if manager is not None:
             callbacks.insert(i, _JITAgreement(trainer, manager))
             return
+
+
+class _Slot:
+    """One of the slots of a Trainer window in dynamic mode; the window's last one runs the ACCO step."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, last: bool) -> None:
+        self.last = last
+
+
+class _PacedSlots:
+    """What Trainer's loop iterates in dynamic mode: per epoch, a rank's share of the micro-batches on average, so
+    that Trainer's steps per epoch, ``max_steps`` and learning-rate schedule come out as under DDP (one step per
+    ``gradient_accumulation_steps`` slots). The micro-batches themselves come from the pacer."""
+
+    def __init__(self, pacer: Pacer) -> None:
+        self.pacer = pacer
+        self.dataset = pacer.loader.dataset  # Trainer's num_examples
+
+    def __len__(self) -> int:
+        return len(self.pacer.sampler)
+
+    def __iter__(self) -> Any:
+        return iter(range(len(self)))
+
+    def set_epoch(self, epoch: int) -> None:  # Trainer calls it at every epoch's start
+        self.pacer.set_epoch(epoch)
+
+
+def _atomic_write_json(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
 
 
 def _split_rows(inputs: dict[str, Any]) -> list[tuple[dict[str, Any], float]]:

@@ -167,30 +167,69 @@ def test_callback_stopping_in_the_middle_of_a_step(tmp_path: Path) -> None:
     assert torch.equal(flat(result[0]["params"]), flat(full[0]["params"]))  # committed θ_3 in the model
 
 
-def test_dynamic_accumulation_with_a_slow_rank(tmp_path: Path) -> None:
-    extra = {"acco_accumulation": "dynamic", "logging_steps": 4}
-    result = train(tmp_path, acco=True, slow_rank_delay=0.03, eval_steps=4, save_steps=4, extra=extra)
-    fast, slow = result
+DYNAMIC = {"acco_accumulation": "dynamic", "logging_steps": 2, "max_steps": -1, "num_train_epochs": 1}
+TRAIN_SIZE = 96  # 48 micro-batches of 2: 6 steps of 8 (2 ranks x gradient_accumulation_steps=4)
+
+
+def _indices(results: list[dict]) -> list[int]:
+    """The dataset indices of every training row the ranks computed (rows are unique in the dataset)."""
+    rows = {tuple(r): i for i, r in enumerate(trainer_script.make_dataset(TRAIN_SIZE, 1)["input_ids"])}
+    return sorted(rows[tuple(row)] for r in results for row in r["rows"])
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("dynamic")
+    return out, train(
+        out, acco=True, slow_rank_delay=0.03, eval_steps=2, save_steps=3, train_size=TRAIN_SIZE, extra=DYNAMIC
+    )
+
+
+def test_dynamic_accumulation_a_faster_rank_computes_more_of_each_global_batch(dynamic_run) -> None:
+    out, (fast, slow) = dynamic_run
     assert torch.equal(flat(fast["params"]), flat(slow["params"]))
-    # Trainer's steps are data: every rank used exactly max_steps x gradient_accumulation_steps micro-batches
-    assert fast["acco_totals"]["micro_batches"] == slow["acco_totals"]["micro_batches"] == 12 * 4
-    logs = [h for h in fast["log_history"] if "acco_micro_batches_rank0" in h]
-    # per-rank counts are logged (they cover ACCO steps finished by the log; the rest end in finalize)
-    assert 0 < sum(h["acco_micro_batches_rank1"] for h in logs) <= 48
-    # ACCO's steps are decoupled from Trainer's: how many there are, and how many micro-batches each has, depend
-    # on timing. What the design guarantees: the commit rounds, together, averaged every micro-batch of both ranks
-    # exactly once, and both ranks took part in the same rounds.
-    assert fast["acco_totals"]["global_micro_batches"] == slow["acco_totals"]["global_micro_batches"] == 2 * 12 * 4
-    assert fast["acco_totals"]["steps"] == slow["acco_totals"]["steps"] >= 1
-    assert [h["step"] for h in fast["log_history"] if "eval_loss" in h] == [4, 8, 12]
-    # checkpoints: every rank's shard from the same commit round, and the model files hold that θ
-    checkpoint = tmp_path / "checkpoint-8"
+    assert _indices([fast, slow]) == list(range(TRAIN_SIZE))  # the epoch: every sample once, whatever the speeds
+    # a Trainer step is one optimizer step of one global batch: 6 steps of 8 micro-batches, as DDP would take
+    assert fast["acco_totals"]["steps"] == slow["acco_totals"]["steps"] == 6
+    assert fast["acco_totals"]["global_micro_batches"] == 48
+    assert fast["acco_totals"]["micro_batches"] + slow["acco_totals"]["micro_batches"] == 48
+    train_logs = [h for h in fast["log_history"] if "loss" in h]
+    assert [h["step"] for h in train_logs] == [2, 4, 6] and train_logs[-1]["epoch"] == 1.0
+    assert all(h["acco_micro_batches_rank0"] + h["acco_micro_batches_rank1"] == 8 for h in train_logs)
+    assert all(h["acco_global_batch_tokens"] == 8 * 2 * trainer_script.SEQ for h in train_logs)
+    assert [h["step"] for h in fast["log_history"] if "eval_loss" in h] == [2, 4, 6]
+    # a checkpoint: every rank's shard of the same step, the model files hold its θ, the data position is saved
+    checkpoint = out / "checkpoint-3"
     shards = [torch.load(checkpoint / f"acco_optimizer_rank{r}_of_2.pt", weights_only=True) for r in range(2)]
-    assert shards[0]["step_count"] == shards[1]["step_count"]
+    assert shards[0]["step_count"] == shards[1]["step_count"] == 3
     state = consolidate_state_dicts(shards)
     saved = load_file(checkpoint / "model.safetensors")
     assert torch.equal(torch.cat([saved[n].flatten() for n in state["layout"]["names"]]), state["master"])
+    assert json.loads((checkpoint / "acco_data_state.json").read_text())["cursor"] == 3 * 8
     assert losses(fast)[-1] < losses(fast)[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dynamic_accumulation_resumes_mid_epoch_on_the_same_or_another_number_of_ranks(
+    tmp_path: Path, dynamic_run, world_size: int
+) -> None:
+    out, full = dynamic_run
+    resumed = train(
+        tmp_path, acco=True, world_size=world_size, resume=str(out / "checkpoint-3"), slow_rank_delay=0.03,
+        train_size=TRAIN_SIZE, extra=DYNAMIC,
+    )  # fmt: skip
+    order = torch.randperm(TRAIN_SIZE, generator=torch.Generator().manual_seed(0)).tolist()
+    assert _indices(resumed) == sorted(order[3 * 8 * 2 :])  # the rest of the epoch, each sample once
+    for r in resumed[1:]:
+        assert torch.equal(flat(r["params"]), flat(resumed[0]["params"]))
+    steps = [h["acco_optimizer_steps"] for h in resumed[0]["log_history"] if "loss" in h and h["step"] > 3]
+    if world_size == 2:  # the same steps as the uninterrupted run (who computed what may differ: float sums)
+        assert steps == [4, 6]
+        assert rel(flat(resumed[0]["params"]), flat(full[0]["params"])) < 1e-5
+        assert losses(resumed[0])[-1] == pytest.approx(losses(full[0])[-1], rel=1e-4)  # steps 5-6, both runs
+    else:  # the rest of the epoch in global batches of 12: 2 steps
+        end = resumed[0]["log_history"][-1]  # Trainer's summary at the end of training
+        assert end["step"] == 3 + 2 and end["epoch"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -201,7 +240,7 @@ def test_dynamic_accumulation_with_a_slow_rank(tmp_path: Path) -> None:
         ({"fsdp": "full_shard"}, "cannot run under FSDP"),
         ({"gradient_accumulation_steps": 1, "per_device_train_batch_size": 1}, "one sample .* cannot be split"),
         ({"acco_schedule": "zero"}, "schedule must be one of"),
-        ({"acco_accumulation": "dynamic", "acco_schedule": "sync"}, "Use accumulation='fixed' with 'sync'"),
+        ({"acco_accumulation": "paced"}, "acco_accumulation must be 'fixed' or 'dynamic'"),
         ({"acco_reduce_scatter": "ring"}, "acco_reduce_scatter must be"),
         ({"acco_nonfinite": "ignore"}, "acco_nonfinite must be"),
         ({"acco_comm_dtype": "fp8"}, "acco_comm_dtype must be"),

@@ -134,7 +134,13 @@ def test_dynamic_accumulation_is_refused_for_trainers_that_gather_per_micro_batc
     from hf_acco.trl import ACCOSFTConfig, ACCOSFTTrainer
 
     tok = tokenizer()
-    args = ACCOSFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], acco_accumulation="dynamic")
+    args = ACCOSFTConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        acco_accumulation="dynamic",
+        gradient_accumulation_steps=2,
+    )
     with pytest.raises(ValueError, match="gathers metrics across ranks on every micro-batch"):
         ACCOSFTTrainer(model=model(len(tok)), args=args, train_dataset=sft_data(8), processing_class=tok)
 

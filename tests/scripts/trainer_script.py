@@ -53,18 +53,26 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-class SlowRank(TrainerCallback):
-    """Rank 1 plays a slower GPU: it sleeps after every micro-batch."""
+class SlowRank:
+    """Rank 1 plays a slower GPU: before every training forward pass it sleeps ``delay`` seconds and multiplies
+    ``matmuls`` 256 x 256 matrices (real compute). Records the rows of input_ids every training forward saw."""
 
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
+    def __init__(self, model: torch.nn.Module, rank: int, delay: float, matmuls: int) -> None:
+        self.rank, self.delay, self.matmuls, self.rows = rank, delay, matmuls, []
+        self.work = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+        model.register_forward_pre_hook(self, with_kwargs=True)
 
-    def on_substep_end(self, args, state, control, **kwargs):
-        if args.process_index == 1:
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.rows.extend(ids.tolist())
+        if self.rank == 1:
             time.sleep(self.delay)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.on_substep_end(args, state, control)
+            x = self.work
+            for _ in range(self.matmuls):
+                x = torch.tanh(x @ self.work)
 
 
 class Faults(TrainerCallback):
@@ -101,6 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step_sleep", type=float, default=0.0, help="sleep after every step (seconds)")
     parser.add_argument("--train_size", type=int, default=256, help="training examples")
     parser.add_argument("--slow_rank_delay", type=float, default=0.0, help="rank 1 sleeps this long per micro-batch")
+    parser.add_argument(
+        "--slow_rank_matmuls", type=int, default=0, help="rank 1 computes this much more per micro-batch"
+    )
     parser.add_argument("--user_optimizer", action="store_true", help="pass an AdamW instance and a LambdaLR")
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
@@ -139,8 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = args_cls(**{**settings, **json.loads(cli.extra)})
     log_keys = LogKeys()
     callbacks = [log_keys] + ([StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else [])
-    if cli.slow_rank_delay:
-        callbacks.append(SlowRank(cli.slow_rank_delay))
+    slow = SlowRank(model, int(os.environ.get("RANK", "0")), cli.slow_rank_delay, cli.slow_rank_matmuls)
     if cli.kill_rank1_at_step or cli.stop_rank1_at_step or cli.sigterm_at_step or cli.step_sleep:
         callbacks.append(Faults(cli.kill_rank1_at_step, cli.stop_rank1_at_step, cli.sigterm_at_step, cli.step_sleep))
     if cli.kill_rank1_in_checkpoint:
@@ -172,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         "world_size": trainer.accelerator.num_processes,
         "logged_keys": sorted(log_keys.keys),
         "acco_totals": dict(trainer.acco.totals) if getattr(trainer, "acco", None) else None,
+        "rows": slow.rows,  # input_ids of every training micro-batch this rank computed
     }
     if trainer.is_world_process_zero():
         with open(os.path.join(cli.output_dir, "log_history.json"), "w") as f:
