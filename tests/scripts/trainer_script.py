@@ -54,25 +54,25 @@ class StopAt(TrainerCallback):
 
 
 class SlowRank:
-    """Rank 1 plays a slower GPU: before every training forward pass it sleeps ``delay`` seconds and multiplies
-    ``matmuls`` 256 x 256 matrices (real compute). Records the rows of input_ids every training forward saw."""
+    """Unequal GPUs: before every training forward pass this rank sleeps ``delay`` seconds and multiplies ``matmuls``
+    256 x 256 matrices (real compute). Records the rows of input_ids every training forward saw."""
 
-    def __init__(self, model: torch.nn.Module, rank: int, delay: float, matmuls: int) -> None:
-        self.rank, self.delay, self.matmuls, self.rows = rank, delay, matmuls, []
+    def __init__(self, model: torch.nn.Module, delay: float, matmuls: int) -> None:
+        self.delay, self.matmuls, self.rows, self.calls = delay, matmuls, [], 0
         self.work = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
         model.register_forward_pre_hook(self, with_kwargs=True)
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
+        self.calls += 1
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None:
             self.rows.extend(ids.tolist())
-        if self.rank == 1:
-            time.sleep(self.delay)
-            x = self.work
-            for _ in range(self.matmuls):
-                x = torch.tanh(x @ self.work)
+        time.sleep(self.delay)
+        x = self.work
+        for _ in range(self.matmuls):
+            x = torch.tanh(x @ self.work)
 
 
 class Faults(TrainerCallback):
@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step_sleep", type=float, default=0.0, help="sleep after every step (seconds)")
     parser.add_argument("--train_size", type=int, default=256, help="training examples")
     parser.add_argument("--slow_rank_delay", type=float, default=0.0, help="rank 1 sleeps this long per micro-batch")
+    parser.add_argument("--rank_delays", type=float, nargs="*", default=[], help="per rank: sleep per micro-batch")
     parser.add_argument(
-        "--slow_rank_matmuls", type=int, default=0, help="rank 1 computes this much more per micro-batch"
+        "--rank_matmuls", type=int, nargs="*", default=[], help="per rank: more compute per micro-batch"
     )
     parser.add_argument("--user_optimizer", action="store_true", help="pass an AdamW instance and a LambdaLR")
     cli = parser.parse_args(argv)
@@ -150,7 +151,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = args_cls(**{**settings, **json.loads(cli.extra)})
     log_keys = LogKeys()
     callbacks = [log_keys] + ([StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else [])
-    slow = SlowRank(model, int(os.environ.get("RANK", "0")), cli.slow_rank_delay, cli.slow_rank_matmuls)
+    rank = int(os.environ.get("RANK", "0"))
+    delays = cli.rank_delays or [0.0, cli.slow_rank_delay]
+    slow = SlowRank(model, delays[rank] if rank < len(delays) else 0.0,
+                    cli.rank_matmuls[rank] if rank < len(cli.rank_matmuls) else 0)  # fmt: skip
     if cli.kill_rank1_at_step or cli.stop_rank1_at_step or cli.sigterm_at_step or cli.step_sleep:
         callbacks.append(Faults(cli.kill_rank1_at_step, cli.stop_rank1_at_step, cli.sigterm_at_step, cli.step_sleep))
     if cli.kill_rank1_in_checkpoint:
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     if trainer.is_world_process_zero():
         with open(os.path.join(cli.output_dir, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
+    with open(os.path.join(cli.output_dir, f"rank{rank}_micro_batches.json"), "w") as f:
+        json.dump({"micro_batches": slow.calls, "rows": len(slow.rows)}, f)
     return result
 
 
