@@ -1,5 +1,6 @@
 """hf_acco: ACCO (Accumulate While You Communicate) for the Hugging Face training stack."""
 
+from .claims import ClaimingBatchSampler
 from .comm import Communicator, check_world_size
 from .core import (
     ACCOOptimizer,
@@ -9,6 +10,7 @@ from .core import (
     Schedule,
     consolidate_state_dicts,
 )
+from .pacing import Pacer
 from .sharding import FlatLayout
 
 
@@ -34,8 +36,10 @@ __all__ = [
     "ACCOTrainer",
     "ACCOTrainerMixin",
     "Accumulation",
+    "ClaimingBatchSampler",
     "Communicator",
     "FlatLayout",
+    "Pacer",
     "Phase",
     "RoundKind",
     "Schedule",

@@ -14,6 +14,23 @@
 Why ``optimizer.step()``: Accelerate has no hook at the end of a backward, but the usual loop calls
 ``optimizer.step()`` after every backward and Accelerate forwards it only at the end of an accumulation window;
 the wrapper counts each call as one micro-batch and forwards the window's end to the ACCO optimizer.
+
+Slower and faster GPUs together, as ACCOTrainer's dynamic mode does it: ``accumulation="paced"`` and the
+micro-batches each rank claims (``acco_dataloader``; every sample once per epoch, a global batch of
+``num_processes x gradient_accumulation_steps`` micro-batches per step)::
+
+    model, optimizer = prepare_acco(accelerator, model, accumulation="paced", lr=3e-4)
+    data = acco_dataloader(accelerator, dataset, batch_size=8, collate_fn=collate)
+    for epoch in range(epochs):
+        data.set_epoch(epoch)
+        while not data.epoch_done:
+            for batch in data.step_batches(optimizer):       # this rank's share of the step, as fast as it goes
+                accelerator.backward(model(**to_device(batch)).loss)
+                optimizer.step()                             # counts the micro-batch; the data ends the step
+            scheduler.step()
+
+``accumulation="dynamic"`` (each rank computes until the round in flight is done: the global batch varies) steps
+on its own: ``optimizer.step()`` only counts micro-batches there.
 """
 
 from __future__ import annotations
@@ -21,12 +38,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from torch.utils.data import DataLoader
 
 from .checkpoint import load_optimizer_state, save_optimizer_state
+from .claims import ClaimingBatchSampler, default_store
 from .comm import check_world_size
 from .core import ACCOOptimizer
+from .pacing import Pacer
 from .trainer import _ensure_process_group
 
 
@@ -66,7 +87,8 @@ def prepare_acco(
 
     Weight decay applies to matrices and embeddings, not to biases and norm weights (one-dimensional
     parameters). ``acco_kwargs`` go to [`ACCOOptimizer`] (``lr``, ``schedule``, ``max_grad_norm``, ...);
-    ``micro_batches`` defaults to the accelerator's ``gradient_accumulation_steps``. Collective: every rank.
+    ``micro_batches`` defaults to the accelerator's ``gradient_accumulation_steps``; ``accumulation="dynamic"``
+    ends its steps itself (``auto_step``). Collective: every rank.
     """
     check_world_size(accelerator.num_processes)
     _ensure_process_group(accelerator.device)
@@ -79,6 +101,8 @@ def prepare_acco(
          "weight_decay": 0.0},
     ]  # fmt: skip
     acco_kwargs.setdefault("micro_batches", accelerator.gradient_accumulation_steps)
+    if acco_kwargs.get("accumulation") == "dynamic":
+        acco_kwargs.setdefault("auto_step", True)  # its steps end with the round, not with Accelerate's windows
     engine = ACCOOptimizer([g for g in groups if g["params"]], **acco_kwargs)
     optimizer = ACCOAcceleratedOptimizer(engine, accelerator)
     optimizer._is_accelerate_prepared = True
@@ -100,3 +124,30 @@ def prepare_acco(
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
     return model, optimizer
+
+
+def acco_dataloader(
+    accelerator: Accelerator,
+    dataset: Any,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    micro_batches: int | None = None,
+    **loader_kwargs: Any,
+) -> Pacer:
+    """The micro-batches of a paced ACCO loop (``prepare_acco(..., accumulation="paced")``), claimed by each rank at
+    its own pace from one seeded order of ``dataset`` (map-style): every sample once per epoch.
+
+    ``micro_batches``: per optimizer step over all ranks (default ``num_processes x gradient_accumulation_steps``).
+    ``loader_kwargs`` go to the DataLoader (``collate_fn``, ``num_workers``, ...). Call ``set_epoch`` before every
+    epoch; ``state_dict()`` at a step boundary is the position to resume from (``load_state_dict``), on any
+    number of ranks.
+    """
+    _ensure_process_group(accelerator.device)
+    store = default_store() if dist.get_world_size() > 1 else dist.HashStore()
+    sampler = ClaimingBatchSampler(store, len(dataset), batch_size, seed=seed, drop_last=drop_last, shuffle=shuffle,
+                                   num_replicas=accelerator.num_processes)  # fmt: skip
+    loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
+    return Pacer(loader, sampler, micro_batches or accelerator.num_processes * accelerator.gradient_accumulation_steps)

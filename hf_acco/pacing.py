@@ -88,11 +88,13 @@ class Pacer:
 
     def step_batches(self, optimizer: Any) -> Iterator[Any]:
         """This rank's micro-batches of the next optimizer step; ends the step's halves and the step on
-        ``optimizer`` as the claims cross them (the step has ended when the iterator is done)."""
+        ``optimizer`` (an ACCOOptimizer, or Accelerate's wrapper of one) as the claims cross them (the step has
+        ended when the iterator is done)."""
         if self._it is None:
             raise RuntimeError("Call set_epoch(epoch) before the first step of an epoch.")
         if self.epoch_done:
             raise RuntimeError(f"Epoch {self.epoch} has no step left: call set_epoch for the next one.")
+        optimizer = getattr(optimizer, "optimizer", optimizer) if not hasattr(optimizer, "end_step") else optimizer
         if getattr(optimizer, "accumulation", None) is not Accumulation.PACED:
             raise ValueError("Pacer drives an ACCOOptimizer built with accumulation='paced'.")
         lo = self.cursor

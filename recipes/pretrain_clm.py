@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,10 @@ class ScriptArguments:
         default=False,
         metadata={"help": "ddp: average gradients in bf16 on the wire (the baseline for acco_comm_dtype=bf16)"},
     )
+    slow_rank_delay: float = field(
+        default=0.0,
+        metadata={"help": "rank 1 sleeps this long before every training micro-batch: a slower GPU (seconds)"},
+    )
 
 
 def load_tokenizer(name: str):
@@ -124,6 +129,31 @@ def _wire(script_args: ScriptArguments, training_args: TrainingArguments) -> str
     return "bf16" if bf16 else "fp32"
 
 
+class TrainingClock(TrainerCallback):
+    """Seconds of training (evaluations left out) at every evaluation: for loss against wall-clock time."""
+
+    def __init__(self) -> None:
+        self.start, self.evaluating, self.at_eval = 0.0, 0.0, []
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - TrainerCallback's signature
+        self.start = time.perf_counter()
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # noqa: ANN001, ANN201
+        self.evaluating += (metrics or {}).get("eval_runtime", 0.0)
+        self.at_eval.append(time.perf_counter() - self.start - self.evaluating)
+
+
+def slow_down_rank_1(model: torch.nn.Module, delay: float) -> None:
+    """A slower GPU on rank 1: a sleep before every training forward pass (its peers keep their speed)."""
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        if module.training and torch.is_grad_enabled():
+            time.sleep(delay)
+
+    if delay > 0 and int(os.environ.get("RANK", "0")) == 1:
+        model.register_forward_pre_hook(hook)
+
+
 class BF16WireHook(TrainerCallback):
     """Registers the bf16 compression hook on the DDP-wrapped model once Trainer has wrapped it (before the first
     backward): Trainer has no setting for DDP communication hooks, and torch's own hook refuses gloo by name."""
@@ -160,9 +190,10 @@ def main(argv: list[str] | None = None) -> dict:
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     model = GPTNeoXForCausalLM(config)
+    slow_down_rank_1(model, script_args.slow_rank_delay)
     # 3. train, evaluating the held-out loss every eval_steps
     trainer = trainer_cls(model=model, args=training_args, train_dataset=train_ds, eval_dataset=val_ds,
-                          data_collator=default_data_collator)  # fmt: skip
+                          data_collator=default_data_collator, callbacks=[clock := TrainingClock()])  # fmt: skip
     if script_args.ddp_bf16_hook:
         if script_args.method != "ddp":
             raise ValueError("--ddp_bf16_hook is for --method ddp; ACCO's own choice is --acco_comm_dtype bf16")
@@ -185,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
         "corpus_tokens": corpus_tokens,
         "eval_steps": [h["step"] for h in evals],
         "val_losses": [h["eval_loss"] for h in evals],
+        "train_seconds": clock.at_eval[: len(evals)],  # training time at each evaluation (evaluations left out)
+        "slow_rank_delay": script_args.slow_rank_delay,
         "final_val_loss": final["eval_loss"],
         "final_val_ppl": math.exp(final["eval_loss"]),
         "train_losses": [[h["step"], h["loss"]] for h in trainer.state.log_history if "loss" in h],

@@ -68,3 +68,67 @@ def test_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:
     resumed = run_ranks(loop, backend=None, acco=True, start=STEPS // 2, load=str(tmp_path))
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(resumed[r], straight[r]))
+
+
+def paced_loop(rank: int, world_size: int, epochs: int = 2) -> dict:
+    """The loop of accelerate_hook's docstring: rank 1 three times slower, every sample once per epoch."""
+    import time
+
+    from hf_acco.accelerate_hook import acco_dataloader
+
+    set_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    model, optimizer = prepare_acco(accelerator, tiny_llama(), accumulation="paced", lr=1e-2, max_grad_norm=1.0)
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s)))
+    samples = [batch(0, i, size=1) for i in range(37)]
+    for i, s in enumerate(samples):
+        s["index"] = torch.tensor([i])
+    data = acco_dataloader(accelerator, samples, batch_size=2, collate_fn=lambda b: {k: torch.cat([x[k] for x in b])
+                           for k in b[0]})  # fmt: skip
+    seen, steps, lrs = [], 0, []
+    for epoch in range(epochs):
+        data.set_epoch(epoch)
+        while not data.epoch_done:
+            for b in data.step_batches(optimizer):
+                time.sleep(0.002 * (1 + 2 * rank))
+                seen.append((epoch, *b.pop("index").tolist()))
+                accelerator.backward(model(**b).loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            steps += 1
+            lrs.append(optimizer.param_groups[0]["lr"])
+    optimizer.optimizer.finalize()
+    return {"seen": seen, "steps": steps, "engine_steps": optimizer.optimizer.step_count,
+            "params": [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]}  # fmt: skip
+
+
+def test_a_paced_accelerate_loop_uses_every_sample_once_at_unequal_speeds() -> None:
+    fast, slow = run_ranks(paced_loop, backend=None)
+    for epoch in range(2):
+        used = sorted(i for r in (fast, slow) for e, *idx in r["seen"] if e == epoch for i in idx)
+        assert used == list(range(37))
+    assert fast["steps"] == slow["steps"] == fast["engine_steps"] == 2 * 3  # 19 micro-batches, 8 per step
+    assert all(torch.equal(a, b) for a, b in zip(fast["params"], slow["params"]))
+
+
+def dynamic_loop(rank: int, world_size: int) -> tuple[int, float]:
+    set_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    model, optimizer = prepare_acco(accelerator, tiny_llama(), accumulation="dynamic", lr=1e-2,
+                                    min_micro_batches=ACCUM)  # fmt: skip
+    for i in range(3 * ACCUM):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch(rank, i)).loss)
+            optimizer.step()
+    steps = optimizer.optimizer.step_count
+    optimizer.optimizer.finalize()
+    return steps, optimizer.optimizer.totals["micro_batches"]
+
+
+def test_prepare_acco_in_dynamic_mode_steps_on_its_own() -> None:
+    """The engine ends its steps itself (auto_step), not at Accelerate's windows: with at least 4 micro-batches
+    per half, 12 micro-batches hold at most one step (Accelerate's windows of 4 would have made 3)."""
+    results = run_ranks(dynamic_loop, backend=None)
+    assert results[0][0] == results[1][0] <= 1
+    assert all(total == 3 * ACCUM for _, total in results)  # every micro-batch counted, the last ones in finalize

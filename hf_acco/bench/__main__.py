@@ -12,6 +12,10 @@ for each ``--ratios``; then one rank is slowed ``--slow_factor`` x at ``--slow_r
 methods run interleaved, ``--repeats`` times, through the same training loop (``worker.py``) on a small Llama
 built from a config, learning real text (``../shared/data/text`` when present, else generated).
 
+``acco`` dynamic runs ACCOTrainer's dynamic path (claims.py + pacing.py): the same global batch of 2 x
+``--micro_batches`` micro-batches per step as every other method, each rank computing as many of them as its speed
+allows (the slow rank fewer).
+
 Writes ``benchmark.json`` (``runs``: one entry per method and setting), ``table.md`` and PNG plots to ``--out``.
 Definitions of every figure: ``hf_acco/bench/report.py``.
 """

@@ -21,11 +21,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from hf_acco.bench.link import tx_bytes
 from hf_acco.bench.report import method_parts
+from hf_acco.claims import ClaimingBatchSampler, default_store
 from hf_acco.comm import Communicator
 from hf_acco.core import ACCOOptimizer
+from hf_acco.pacing import Pacer
 from hf_acco.sharding import FlatLayout
 
 MAX_GRAD_NORM = 1.0  # Trainer's default, applied by every method
@@ -66,6 +69,20 @@ def batches(tokens: torch.Tensor, spec: dict[str, Any], rank: int):
     while True:
         starts = torch.randint(0, tokens.numel() - seq, (batch,), generator=g)
         yield torch.stack([tokens[s : s + seq] for s in starts])
+
+
+def paced_data(tokens: torch.Tensor, spec: dict[str, Any], micro_batches: int) -> Pacer:
+    """Dynamic mode as ACCOTrainer runs it: one seeded set of windows of the text, claimed micro-batch by
+    micro-batch by the ranks at their own pace, ``micro_batches`` per optimizer step over all ranks."""
+    g = torch.Generator().manual_seed(1000 * spec["seed"] + 999)
+    seq, n = spec["seq"], (spec["steps"] + 1) * micro_batches * spec["batch"]
+    starts = torch.randint(0, tokens.numel() - seq, (n,), generator=g).tolist()
+    windows = [tokens[s : s + seq] for s in starts]
+    sampler = ClaimingBatchSampler(default_store(), n, spec["batch"], seed=spec["seed"],
+                                   num_replicas=dist.get_world_size())  # fmt: skip
+    pacer = Pacer(DataLoader(windows, batch_sampler=sampler, collate_fn=torch.stack), sampler, micro_batches)
+    pacer.set_epoch(0)
+    return pacer
 
 
 class Slowdown:
@@ -187,6 +204,7 @@ def train_run(
     k, steps = spec["micro_batches"], spec["steps"]
     method, wire = method_parts(run["method"])
     stream = batches(tokens, spec, rank)
+    paced = False
     if method == "ddp":  # as Trainer runs it: no_sync while accumulating, all-reduce in the last backward
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         if wire == "bf16":  # the matching choice for a bf16 wire: DDP's compression hook
@@ -194,14 +212,36 @@ def train_run(
         opt: Any = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0)
     else:
         ddp = None
-        opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation=run["accumulation"], micro_batches=k,
-                            max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
+        # dynamic: ACCOTrainer's path (the same global batch of 2 x k micro-batches, each rank at its own pace)
+        paced = run["accumulation"] == "dynamic"
+        opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation="paced" if paced else "fixed",
+                            micro_batches=k, max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
                             comm_dtype=wire)  # fmt: skip
+
     tokens_per_mb = spec["batch"] * spec["seq"]
     records, step_ends, waits, per_step, mb_compute = [], [], [], [], []
     dist.barrier()
     sent0, cpu0, t0 = traffic.read(), time.process_time(), time.perf_counter()  # CPU: all threads, gloo's too
     in_step = 0
+
+    def acco_micro_batch(model: torch.nn.Module, opt: ACCOOptimizer, ids: torch.Tensor, t_mb: float) -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        records.append((time.perf_counter() - t0, loss.item(), tokens_per_mb))
+        mb_compute.append(time.perf_counter() - t_mb)
+        opt.after_backward()
+
+    def step_ended(opt: ACCOOptimizer) -> None:
+        step_ends.append(time.perf_counter() - t0)
+        waits.append(opt.last_step_stats["wait_s"])
+        per_step.append(int(opt.last_step_stats["micro_batches"]))
+
+    pacer = paced_data(tokens, spec, dist.get_world_size() * k) if ddp is None and paced else None
+    while pacer is not None and len(step_ends) < steps:  # dynamic: this rank's micro-batches of each step
+        for ids in pacer.step_batches(opt):
+            slow()
+            acco_micro_batch(model, opt, ids, time.perf_counter())
+        step_ended(opt)
     while len(step_ends) < steps:
         ids = next(stream)
         slow()
@@ -224,18 +264,12 @@ def train_run(
                 per_step.append(k)
                 in_step = 0
         else:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            records.append((time.perf_counter() - t0, loss.item(), tokens_per_mb))
-            mb_compute.append(time.perf_counter() - t_mb)
-            opt.after_backward()
+            acco_micro_batch(model, opt, ids, t_mb)
             if opt.ready_to_step():
                 opt.step()
-                step_ends.append(time.perf_counter() - t0)
-                waits.append(opt.last_step_stats["wait_s"])
-                per_step.append(int(opt.last_step_stats["micro_batches"]))
+                step_ended(opt)
     if ddp is None:
-        opt.finalize()  # dynamic mode: ranks meet; the model holds the committed parameters
+        opt.finalize()  # the model holds the committed parameters
         opt.close()
         dist.destroy_process_group(opt.comm.group)
     cpu1, wall = time.process_time(), time.perf_counter() - t0
