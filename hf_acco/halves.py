@@ -6,9 +6,10 @@ reproducible.
 
 ``DynamicHalves``: each rank keeps computing micro-batches while the round in flight runs, and ends the half once
 it has finished, or is expected to finish within half of this rank's next micro-batch (starting one more would
-hold up the next round of every rank), with at least ``min_micro_batches`` and at most ``max_micro_batches``. The
-expectation comes from this rank's recent micro-batch and round durations. During a synchronous warm-up (no
-round to overlap) it counts like ``FixedHalves``.
+hold up the next round of every rank), with at least ``min_micro_batches`` and at most ``max_micro_batches`` (more
+while a peer has not launched the round yet: waiting for it could wait on a rank blocked in the caller's own
+collective). The expectation comes from this rank's recent micro-batch and round durations. During a synchronous
+warm-up (no round to overlap) it counts like ``FixedHalves``.
 
 ``PacedHalves``: the caller ends each half and step, where the global batch's claimed micro-batches say (pacing.py);
 a rank may have none in a half.
@@ -113,9 +114,12 @@ class DynamicHalves(FixedHalves):
             return super().half_done(count, schedule, inflight, first)
         if count < self.min_micro_batches:
             return False
-        if self.max_micro_batches is not None and count >= self.max_micro_batches:
+        if inflight is None or inflight.handle.done():
             return True
-        return inflight is None or inflight.handle.done() or self._round_ends_soon(inflight)
+        if self.max_micro_batches is not None and count >= self.max_micro_batches:
+            # the boundary waits for the round in flight: only once every rank has launched it (see below)
+            return inflight.everyone_in.is_set()
+        return self._round_ends_soon(inflight)
 
     def _round_ends_soon(self, inflight: InFlight) -> bool:
         """Only once every rank has joined the round (its counts all-reduce is done here): a rank must never block on

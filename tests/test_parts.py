@@ -189,7 +189,10 @@ def test_dynamic_halves_bounds_and_the_rule_for_a_round_not_everyone_joined() ->
     assert not policy.half_done(1, Schedule.ACCO, None)  # below the minimum, even with no round in flight
     assert policy.half_done(2, Schedule.ACCO, None)
     assert not policy.half_done(2, Schedule.ACCO, running)
+    assert not policy.half_done(3, Schedule.ACCO, running)  # the maximum, but a peer has not launched the round:
+    running.everyone_in.set()  # waiting for it could deadlock (that peer may wait in the caller's collective)
     assert policy.half_done(3, Schedule.ACCO, running)  # the maximum
+    running.everyone_in.clear()
     policy.round_s.extend([1.0, 1.0])
     policy.micro_batch_s.extend([0.5, 0.5])
     clock[0] = 10.8  # 0.2 s left, less than half a micro-batch: foreseen, but only once every rank joined it
