@@ -52,14 +52,17 @@ def train_paced(
     steps: int | None = None,
     state: dict | None = None,
     warmup_lr: bool = False,
+    workers: int = 0,
 ) -> dict:
     """Trains over DATA; rank r sleeps about (1 + slowdown r) ms per micro-batch, jittered. ``stall``: rank 1 sleeps
-    ``stall[1]`` s at its micro-batch ``stall[0]``. ``steps``: stop after that many steps (a checkpoint)."""
+    ``stall[1]`` s at its micro-batch ``stall[0]``. ``steps``: stop after that many steps (a checkpoint).
+    ``workers``: DataLoader worker processes (they claim ahead of the micro-batch being computed)."""
     model = tiny_llama()
     opt = ACCOOptimizer(decay_groups(model, WD), schedule=schedule, accumulation="paced", max_grad_norm=CLIP, **HP)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 4)) if warmup_lr else None
     sampler = ClaimingBatchSampler(default_store(), N, BATCH, seed=3, num_replicas=world_size)
-    pacer = Pacer(DataLoader(DATA, batch_sampler=sampler, collate_fn=collate), sampler, world_size * PER_RANK)
+    loader = DataLoader(DATA, batch_sampler=sampler, collate_fn=collate, num_workers=workers)
+    pacer = Pacer(loader, sampler, world_size * PER_RANK)
     start_epoch = 0
     if state is not None:
         pacer.load_state_dict(state["pacer"])
@@ -132,6 +135,14 @@ def test_paced_steps_use_every_sample_once_and_match_the_reference(world_size: i
     if schedule == "acco":
         half_a = [sum(len(r["plan"][t][0]) for r in results) for t in range(steps_per_epoch - 1)]
         assert half_a == [BATCH * (world_size * PER_RANK // 2)] * (steps_per_epoch - 1)
+
+
+def test_prefetching_loader_workers_keep_every_sample_once_and_the_steps_exact() -> None:
+    """Workers claim batches ahead of use; the pacer matches each loaded batch to its claim in order."""
+    results = run_ranks(train_paced, world_size=2, workers=2)
+    assert _epochs(results, 6) == [list(range(N))]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["final"], results[1]["final"]))
+    assert relative_error(results[0]["final"], _reference(results, "acco")) <= 1e-6
 
 
 def test_a_five_times_slower_rank_and_a_stall_finish_without_deadlock() -> None:

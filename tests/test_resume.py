@@ -1,4 +1,5 @@
-"""Exact resume from per-rank shard files, re-sharding 2 -> 1 and 1 -> 2 ranks, and what a bad load says."""
+"""Exact resume from per-rank shard files, re-sharding 2 -> 1, 1 -> 2 and 4 -> 2 -> 3 ranks, and what a bad load
+says."""
 
 from __future__ import annotations
 
@@ -16,28 +17,33 @@ from .models import batch, decay_groups, mean_loss, tiny_llama
 HP = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.0}
 GLOBAL_MICRO = 8  # micro-batches per optimizer step, all ranks together
 VIRTUAL_RANKS = 2
+PER_VIRTUAL = {VIRTUAL_RANKS: GLOBAL_MICRO // VIRTUAL_RANKS, 12: 2}  # 12 virtual ranks deal evenly to 1, 2, 3 or 4
 
 
-def step_batches(rank: int, world_size: int, t: int) -> list[dict]:
-    """This rank's micro-batches of step t: the same global set of 8 whatever the world size, halves kept."""
-    per_virtual = GLOBAL_MICRO // VIRTUAL_RANKS
-    mine = [v for v in range(VIRTUAL_RANKS) if v % world_size == rank]
+def step_batches(rank: int, world_size: int, t: int, virtual: int = VIRTUAL_RANKS) -> list[dict]:
+    """This rank's micro-batches of step t: the same global set whatever the world size (``virtual`` ranks'
+    worth, dealt out to the real ones), halves kept."""
+    per_virtual = PER_VIRTUAL[virtual]
+    mine = [v for v in range(virtual) if v % world_size == rank]
     first = [batch(v, t * per_virtual + i) for v in mine for i in range(per_virtual // 2)]
     second = [batch(v, t * per_virtual + i) for v in mine for i in range(per_virtual // 2, per_virtual)]
     return first + second
 
 
-def build(world_size: int, schedule: str, seed: int = 0) -> tuple[torch.nn.Module, ACCOOptimizer]:
+def build(
+    world_size: int, schedule: str, seed: int = 0, virtual: int = VIRTUAL_RANKS
+) -> tuple[torch.nn.Module, ACCOOptimizer]:
     model = tiny_llama(seed=seed)
+    micro_batches = PER_VIRTUAL[virtual] * virtual // world_size
     opt = ACCOOptimizer(
-        decay_groups(model, 0.1), schedule=schedule, micro_batches=GLOBAL_MICRO // world_size, max_grad_norm=1.0, **HP
+        decay_groups(model, 0.1), schedule=schedule, micro_batches=micro_batches, max_grad_norm=1.0, **HP
     )
     return model, opt
 
 
-def run_steps(model, opt, rank: int, world_size: int, start: int, stop: int) -> None:
+def run_steps(model, opt, rank: int, world_size: int, start: int, stop: int, virtual: int = VIRTUAL_RANKS) -> None:
     for t in range(start, stop):
-        for b in step_batches(rank, world_size, t):
+        for b in step_batches(rank, world_size, t, virtual):
             mean_loss(model, b)[0].backward()
             opt.after_backward()
         assert opt.ready_to_step()
@@ -60,11 +66,12 @@ def train(
     load: str | None,
     save: str | None,
     save_after_micro_batches: int = 0,
+    virtual: int = VIRTUAL_RANKS,
 ):
-    model, opt = build(world_size, schedule, seed=0 if load is None else 123)  # a resumed run starts elsewhere
+    model, opt = build(world_size, schedule, seed=0 if load is None else 123, virtual=virtual)  # resumed: elsewhere
     if load is not None:
         load_optimizer_state(opt, load)
-    run_steps(model, opt, rank, world_size, start, stop)
+    run_steps(model, opt, rank, world_size, start, stop, virtual)
     if save is not None and save_after_micro_batches:  # a pre-emption checkpoint in the middle of step `stop`
         for b in step_batches(rank, world_size, stop)[:save_after_micro_batches]:
             mean_loss(model, b)[0].backward()
@@ -118,6 +125,19 @@ def test_reshard_continues_the_trajectory(tmp_path: Path, before: int, after: in
     assert _rel(resumed[0]["held"], straight[0]["held"]) < 1e-5
     moved = _rel(straight[0]["committed"], [p.detach() for p in tiny_llama().parameters()])
     assert moved > 1e-2
+
+
+def test_reshard_4_then_2_then_3_ranks_continues_the_trajectory(tmp_path: Path) -> None:
+    """An odd world size pads the shards; 12 virtual ranks of 2 micro-batches each (one per half) are dealt to 4,
+    2 and 3 real ones: the same 24 micro-batches per step in every run."""
+    kw = {"schedule": "acco", "virtual": 12, "save": None, "load": None}
+    straight = run_ranks(train, world_size=4, start=0, stop=6, **kw)
+    run_ranks(train, world_size=4, start=0, stop=2, **{**kw, "save": str(tmp_path / "a")})
+    run_ranks(train, world_size=2, start=2, stop=4, **{**kw, "load": str(tmp_path / "a"), "save": str(tmp_path / "b")})
+    resumed = run_ranks(train, world_size=3, start=4, stop=6, **{**kw, "load": str(tmp_path / "b")})
+    for r in resumed:
+        assert _rel(r["committed"], straight[0]["committed"]) < 1e-5
+        assert _equal(r["committed"], resumed[0]["committed"])
 
 
 def load_into(rank: int, world_size: int, directory: str, model_kind: str) -> str:

@@ -209,6 +209,14 @@ def test_dynamic_accumulation_a_faster_rank_computes_more_of_each_global_batch(d
     assert losses(fast)[-1] < losses(fast)[0]
 
 
+def test_dynamic_accumulation_keeps_trainers_sampling_and_loader_workers(tmp_path: Path) -> None:
+    extra = {**DYNAMIC, "train_sampling_strategy": "group_by_length", "dataloader_num_workers": 2}
+    fast, slow = train(tmp_path, acco=True, slow_rank_delay=0.03, train_size=TRAIN_SIZE, extra=extra)
+    assert _indices([fast, slow]) == list(range(TRAIN_SIZE))
+    assert torch.equal(flat(fast["params"]), flat(slow["params"]))
+    assert fast["log_history"][-1]["step"] == 6
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_dynamic_accumulation_resumes_mid_epoch_on_the_same_or_another_number_of_ranks(
     tmp_path: Path, dynamic_run, world_size: int
