@@ -14,8 +14,10 @@ resumed mid-way starts at a batch number (``set_epoch(epoch, start)``) on any nu
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,8 @@ class ClaimingBatchSampler:
 
     Call ``set_epoch`` before every epoch, as for DistributedSampler: each call opens a new counter.
     """
+
+    endless = False  # an epoch ends when its batches are all claimed
 
     def __init__(
         self,
@@ -108,3 +112,39 @@ class ClaimingBatchSampler:
     def _claim(self) -> int:
         """The next batch of this pass over the epoch, for this rank alone (atomic across ranks)."""
         return int(self.store.add(f"{self.key}/{self._opened}", 1)) - 1
+
+    def next_number(self) -> int:
+        """The batch number of the oldest batch handed out and not yet matched (the loader's next batch)."""
+        return self.taken.popleft()
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the saved one."""
+        return {"num_samples": self.num_samples, "batch_size": self.batch_size, "seed": self.seed}
+
+
+class StreamTickets:
+    """Numbers for the batches of per-rank streams (an IterableDataset: every rank reads its own shard).
+
+    Each batch a rank takes from its stream gets the next number of one shared counter, so the batches of all ranks
+    together are numbered 0, 1, 2, ... in the order they were taken, and steps are ranges of numbers as with
+    ``ClaimingBatchSampler``. A stream has no epoch of its own over all ranks: a rank whose stream ends starts it
+    again (pacing.py), so a faster rank goes through its shard more often; training ends at ``max_steps``.
+    """
+
+    endless = True
+    num_batches = sys.maxsize
+
+    def __init__(self, store: dist.Store, batch_size: int, key: str | None = None) -> None:
+        self.store, self.batch_size = store, batch_size
+        self.key = key if key is not None else f"hf_acco/tickets/{next(_SAMPLERS)}"
+        self.epoch, self.start, self._opened = 0, 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+        self._opened += 1
+
+    def next_number(self) -> int:
+        return self.start + int(self.store.add(f"{self.key}/{self._opened}", 1)) - 1
+
+    def identity(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "stream": True}

@@ -5,7 +5,9 @@ Every optimizer step is one global batch of ``micro_batches`` micro-batches: the
 twice as fast computes about twice as many; the step's half A (acco) is the first ``micro_batches // 2`` of them,
 half B the rest. A rank ends its half when its next claim lies beyond it, and its step when the claim lies in a later
 step (it keeps that batch for then) or the epoch's batches are all claimed. A rank may compute nothing in a half or a
-step; it still takes part in the step's rounds, which average its peers' gradients.
+step; it still takes part in the step's rounds, which average its peers' gradients. With per-rank streams
+(``StreamTickets``) the numbers are given as each rank takes a batch from its own stream, a stream that ends starts
+again, and the position to resume from includes every rank's place in its stream.
 
 So the global batch, the steps per epoch (``ceil(num_batches / micro_batches)``), the learning-rate schedule and
 every rank's step count are what they would be with ``micro_batches`` spread evenly: only who computes what depends
@@ -15,6 +17,7 @@ an earlier step unused, so the position in the epoch is the cursor alone (``stat
 of ranks.
 
     pacer = Pacer(loader, sampler, micro_batches=world_size * 4)    # loader: DataLoader(batch_sampler=sampler)
+    # or, for an IterableDataset: Pacer(DataLoader(this_ranks_shard, batch_size=8), StreamTickets(store, 8), ...)
     for epoch in range(epochs):
         pacer.set_epoch(epoch)
         while not pacer.epoch_done:
@@ -29,11 +32,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .claims import ClaimingBatchSampler
+import torch.distributed as dist
+
+from .claims import ClaimingBatchSampler, StreamTickets
 from .schedule import Accumulation
 
 STATE_FORMAT = "hf_acco.pacing/1"
-_CHECKED = ("num_samples", "batch_size", "seed")  # what a resumed run must share with the saved one
 
 
 class Pacer:
@@ -41,12 +45,14 @@ class Pacer:
 
     Args:
         loader: yields the batches of ``sampler``'s claims in claim order (a DataLoader with
-            ``batch_sampler=sampler``, ``in_order=True``: the default).
-        sampler: the ``ClaimingBatchSampler`` behind ``loader``.
+            ``batch_sampler=sampler``, ``in_order=True``: the default), or this rank's stream with ``StreamTickets``.
+        sampler: the ``ClaimingBatchSampler`` behind ``loader``, or ``StreamTickets``.
         micro_batches: micro-batches per optimizer step over all ranks (for acco at least 2: one per half).
     """
 
-    def __init__(self, loader: Iterable[Any], sampler: ClaimingBatchSampler, micro_batches: int) -> None:
+    def __init__(
+        self, loader: Iterable[Any], sampler: ClaimingBatchSampler | StreamTickets, micro_batches: int
+    ) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches (per step, over all ranks) must be >= 1, got {micro_batches}")
         if getattr(loader, "in_order", True) is False:
@@ -58,6 +64,8 @@ class Pacer:
         self._held: tuple[int, Any] | None = None  # a claimed batch of a later step
         self._exhausted = False
         self._resume: dict[str, Any] | None = None
+        self._stream_start: dict[int, tuple[int, int]] = {}  # a resumed stream: rank -> (passes, batches used)
+        self._passes, self._taken = 0, 0  # a stream: passes over it started in this epoch, batches of this pass
 
     @property
     def num_batches(self) -> int:
@@ -84,7 +92,19 @@ class Pacer:
             start, self._resume = self._resume["cursor"], None
         self.sampler.set_epoch(epoch, start)
         self.epoch, self.cursor = epoch, start
-        self._it, self._held, self._exhausted = iter(self.loader), None, False
+        self._held, self._exhausted = None, False
+        passes, skip = self._stream_start.get(_rank(), (0, 0))
+        self._stream_start = {}
+        self._start_pass(passes)
+        for _ in range(skip):  # a resumed stream: the batches this rank had used (fetched again, as Trainer does)
+            next(self._it)
+        self._taken = skip
+
+    def _start_pass(self, passes: int) -> None:
+        self._passes, self._taken = passes, 0
+        if self.sampler.endless and hasattr(getattr(self.loader, "dataset", None), "set_epoch"):
+            self.loader.dataset.set_epoch(passes)  # a streamed dataset's shuffling follows its pass
+        self._it = iter(self.loader)
 
     def step_batches(self, optimizer: Any) -> Iterator[Any]:
         """This rank's micro-batches of the next optimizer step; ends the step's halves and the step on
@@ -114,37 +134,70 @@ class Pacer:
     def _next(self) -> tuple[int, Any] | None:
         """The oldest claimed, uncomputed batch with its batch number; None once the epoch's batches are claimed."""
         if self._held is None and not self._exhausted:
-            try:
-                batch = next(self._it)  # type: ignore[arg-type]
-            except StopIteration:
+            batch = self._fetch()
+            if batch is None:
                 self._exhausted = True
                 return None
-            self._held = (self.sampler.taken.popleft(), batch)
+            self._held = (self.sampler.next_number(), batch)
         return self._held
+
+    def _fetch(self) -> Any:
+        try:
+            batch = next(self._it)  # type: ignore[arg-type]
+        except StopIteration:
+            if not self.sampler.endless:
+                return None
+            self._start_pass(self._passes + 1)  # this rank's stream ended: its next pass
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                raise ValueError("This rank's stream of training data is empty: check the dataset's shards.") from None
+        self._taken += 1
+        return batch
 
     # ---- resume -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The position in the data at a step boundary: the same on every rank, for any number of ranks."""
-        state = {name: getattr(self.sampler, name) for name in _CHECKED}
-        return {"format": STATE_FORMAT, "epoch": self.epoch, "cursor": self.cursor, **state}
+        """The position in the data at a step boundary: the same on every rank, for any number of ranks. With
+        streams it holds every rank's place in its own stream: collective then (every rank, same boundary), and it
+        resumes on the same number of ranks."""
+        state = {"format": STATE_FORMAT, "epoch": self.epoch, "cursor": self.cursor, **self.sampler.identity()}
+        if self.sampler.endless:  # the batch held for the next step is taken again after a resume
+            mine = (self._passes, self._taken - (self._held is not None))
+            positions = [mine] * (dist.get_world_size() if dist.is_initialized() else 1)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_gather_object(positions, mine)
+            state["streams"] = [list(p) for p in positions]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` left off: ``set_epoch(state["epoch"])`` starts at its cursor (an epoch's end is
         the next epoch's start: ``resume_epoch``)."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError("Not an hf_acco data position (missing or unknown 'format').")
-        for name in _CHECKED:
-            if state[name] != getattr(self.sampler, name):
+        for name, value in self.sampler.identity().items():
+            if state.get(name) != value:
                 raise ValueError(
-                    f"The saved data position was for {name}={state[name]}, this run has "
-                    f"{getattr(self.sampler, name)}: resume with the same dataset, batch size and seed."
+                    f"The saved data position was for {name}={state.get(name)}, this run has {value}: resume with "
+                    "the same dataset (map-style or streamed), batch size and seed."
                 )
+        if self.sampler.endless:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if len(state["streams"]) != world:
+                raise ValueError(
+                    f"The saved position is in {len(state['streams'])} ranks' streams (an IterableDataset, one shard "
+                    f"per rank); this run has {world} ranks. Resume a streamed dataset on the same number of ranks."
+                )
+            self._stream_start = {r: (p, k) for r, (p, k) in enumerate(state["streams"])}
         self._resume = dict(state)
-        if self._resume["cursor"] >= self.num_batches:
+        if not self.sampler.endless and self._resume["cursor"] >= self.num_batches:
             self._resume.update(epoch=state["epoch"] + 1, cursor=0)
 
     @property
     def resume_epoch(self) -> int:
         """The epoch a loaded state continues (0 without one)."""
         return self._resume["epoch"] if self._resume is not None else self.epoch
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -11,7 +11,8 @@ What it intercepts, and why (Trainer's loop itself is not copied or overridden):
   in the model files; one optimizer shard file per rank; re-sharding on load.
 * ``_finalize_training``: drain the round in flight and leave the committed parameters in the model.
 * dynamic mode (``acco_accumulation="dynamic"``): ``get_train_dataloader`` builds Trainer's data pipeline over
-  batches every rank claims from one shared, seeded order (claims.py), and gives Trainer slots to iterate;
+  batches every rank claims from one shared, seeded order (claims.py; an IterableDataset: each rank's own shard,
+  its batches numbered from one shared counter), and gives Trainer slots to iterate;
   ``get_batch_samples`` turns a window into slots; ``training_step`` runs one ACCO step in the window's last slot
   (pacing.py); ``_init_training_state`` takes the epoch and the position in it from the checkpoint.
 * ``log``: ACCO's figures (exposed communication, round time, micro-batches, tokens) next to the loss.
@@ -43,12 +44,13 @@ from typing import Any
 import datasets
 import torch
 import torch.distributed as dist
+from datasets.distributed import split_dataset_by_node
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+from transformers.trainer_pt_utils import IterableDatasetShard, LengthGroupedSampler, get_length_grouped_indices
 from transformers.trainer_utils import has_length, seed_worker
 
 from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
-from .claims import ClaimingBatchSampler, default_store
+from .claims import ClaimingBatchSampler, StreamTickets, default_store
 from .comm import Communicator, PeerFailure, check_world_size, is_peer_failure
 from .config import check_halves, check_supported, engine_accumulation, engine_micro_batches, splits_batches
 from .core import ACCOOptimizer
@@ -306,7 +308,7 @@ class ACCOTrainerMixin:
             return super().get_train_dataloader()
         # dynamic mode: each rank claims the micro-batches it computes (pacing.py); Trainer iterates slots
         self._pacer, self._step_losses = self._build_pacer(), []
-        return _PacedSlots(self._pacer)
+        return _EndlessSlots(self._pacer) if self._pacer.sampler.endless else _PacedSlots(self._pacer)
 
     def _build_pacer(self) -> Pacer:
         """Trainer's data pipeline (unused columns, collator, workers, seed, sampling strategy) over batches claimed
@@ -314,12 +316,9 @@ class ACCOTrainerMixin:
         args, dataset = self.args, self.train_dataset
         if dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        store = default_store() if dist.is_initialized() and dist.get_world_size() > 1 else dist.HashStore()
         if isinstance(dataset, torch.utils.data.IterableDataset) or not has_length(dataset):
-            raise ValueError(
-                "acco_accumulation='dynamic' needs a dataset with a length (map-style: a datasets.Dataset or a torch "
-                "Dataset): the ranks claim its samples from one shared order. For a streamed dataset use "
-                "acco_accumulation='fixed', or materialise it (datasets: dataset.take(n), then Dataset.from_list)."
-            )
+            return self._build_stream_pacer(dataset, store)
         collator = self.data_collator
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description="Training")
@@ -333,7 +332,6 @@ class ACCOTrainerMixin:
                 "'group_by_length'."
             )
         seed = args.data_seed if args.data_seed is not None else args.seed
-        store = default_store() if dist.is_initialized() and dist.get_world_size() > 1 else dist.HashStore()
         sampler = ClaimingBatchSampler(
             store, len(dataset), self._train_batch_size, seed=seed, drop_last=args.dataloader_drop_last,
             shuffle=strategy != "sequential", num_replicas=args.world_size,
@@ -349,6 +347,27 @@ class ACCOTrainerMixin:
             ),
         )  # fmt: skip
         return Pacer(loader, sampler, args.world_size * args.gradient_accumulation_steps)
+
+    def _build_stream_pacer(self, dataset: Any, store: dist.Store) -> Pacer:
+        """An IterableDataset: every rank reads its own shard (datasets' split_dataset_by_node, else Trainer's
+        IterableDatasetShard) at its own pace, starting it again when it ends; the batches are numbered from one
+        shared counter, so the steps are global batches as for a map-style dataset. Needs ``max_steps``."""
+        args = self.args
+        if isinstance(dataset, datasets.IterableDataset):
+            shard = split_dataset_by_node(dataset, rank=args.process_index, world_size=args.world_size)
+        else:
+            shard = IterableDatasetShard(
+                dataset, batch_size=self._train_batch_size, drop_last=args.dataloader_drop_last,
+                num_processes=args.world_size, process_index=args.process_index, seed=args.seed,
+            )  # fmt: skip
+        loader = torch.utils.data.DataLoader(
+            shard, batch_size=self._train_batch_size, drop_last=args.dataloader_drop_last,
+            collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="Training"),
+            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+        )  # fmt: skip
+        return Pacer(
+            loader, StreamTickets(store, self._train_batch_size), args.world_size * args.gradient_accumulation_steps
+        )
 
     def _length_grouped_order(self, dataset: Any, seed: int) -> Any:
         """group_by_length: Trainer's grouping of similar lengths, seeded per epoch the same way on every rank."""
@@ -526,7 +545,7 @@ class ACCOTrainerMixin:
         # the previous step's for acco and dpu, whose commit round is still in flight when the step ends.
         if self.acco is not None and self.acco.last_commit is not None:
             grad_norm = self.acco.last_commit.grad_norm
-        if self._pacer is not None:  # the epoch's fraction is the data used, not this rank's slots
+        if self._pacer is not None and not self._pacer.sampler.endless:  # the epoch's fraction: the data used
             self.state.epoch = self._pacer.progress
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
@@ -546,10 +565,11 @@ class ACCOTrainerMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_optimizer_state(self.acco, output_dir)  # every rank writes its own shard
+        data = self._pacer.state_dict() if self._pacer is not None else None  # collective with streams: every rank
         if self.args.should_save:
             atomic_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-            if self._pacer is not None:  # the same on every rank at a step boundary
-                _atomic_write_json(self._pacer.state_dict(), os.path.join(output_dir, DATA_STATE_NAME))
+            if data is not None:  # the same on every rank at a step boundary
+                _atomic_write_json(data, os.path.join(output_dir, DATA_STATE_NAME))
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
@@ -680,6 +700,19 @@ class _PacedSlots:
         return iter(range(len(self)))
 
     def set_epoch(self, epoch: int) -> None:  # Trainer calls it at every epoch's start
+        self.pacer.set_epoch(epoch)
+
+
+class _EndlessSlots:
+    """Dynamic mode over per-rank streams: slots without a length (Trainer counts steps to ``max_steps``)."""
+
+    def __init__(self, pacer: Pacer) -> None:
+        self.pacer = pacer
+
+    def __iter__(self) -> Any:
+        return itertools.count()
+
+    def set_epoch(self, epoch: int) -> None:
         self.pacer.set_epoch(epoch)
 
 

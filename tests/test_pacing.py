@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_acco import ACCOOptimizer
-from hf_acco.claims import ClaimingBatchSampler, default_store
+from hf_acco.claims import ClaimingBatchSampler, StreamTickets, default_store
 from hf_acco.multiprocess import run_ranks
 from hf_acco.pacing import Pacer
 from hf_acco.schedule import Phase
@@ -185,3 +185,63 @@ def test_a_state_for_other_data_is_refused() -> None:
         Pacer(DataLoader(DATA, batch_sampler=other, collate_fn=collate), other, 4).load_state_dict(state)
     with pytest.raises(ValueError, match="Not an hf_acco data position"):
         pacer.load_state_dict({})
+
+
+class RankStream(torch.utils.data.IterableDataset):
+    """This rank's own stream: its shard of DATA (every world_size-th sample), in order, each pass the same."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.indices = list(range(rank, N, world_size))
+
+    def __iter__(self):
+        return (DATA[i] for i in self.indices)
+
+
+def train_stream(rank: int, world_size: int, steps: int, state: dict | None = None) -> dict:
+    model = tiny_llama()
+    opt = ACCOOptimizer(decay_groups(model, WD), accumulation="paced", max_grad_norm=CLIP, **HP)
+    stream = DataLoader(RankStream(rank, world_size), batch_size=BATCH, collate_fn=collate)
+    pacer = Pacer(stream, StreamTickets(default_store(), BATCH), world_size * PER_RANK)
+    if state is not None:
+        pacer.load_state_dict(state["pacer"])
+        opt.load_state_dict(state["optimizer"][rank])
+    pacer.set_epoch(0)
+    jitter, plan, micro_batches = random.Random(rank), [], 0
+    for _ in range(steps):
+        used: tuple[list[int], list[int]] = ([], [])
+        for b in pacer.step_batches(opt):
+            micro_batches += 1
+            time.sleep(jitter.uniform(0.5, 1.5) * 1e-3 * (1 + 4 * rank))
+            used[opt.phase is Phase.CORRECTION].extend(b["index"].tolist())
+            loss, weight = token_sum_loss(model, b)
+            loss.backward()
+            opt.after_backward(weight)
+        plan.append(used)
+    with opt.committed_parameters():
+        final = [p.detach().clone() for p in model.parameters()]
+    out = {"plan": plan, "final": final, "pacer": pacer.state_dict(), "optimizer": opt.state_dict()}
+    out["micro_batches"] = micro_batches
+    opt.close()
+    return out
+
+
+def test_per_rank_streams_each_continue_their_own_stream_and_resume_exactly() -> None:
+    """An IterableDataset: each rank reads its own shard at its own pace (passing its end starts it again); a step
+    is still 6 micro-batches over all ranks; a resume on the same ranks continues every rank's stream where it was."""
+    before = run_ranks(train_stream, world_size=2, steps=5)
+    state = {"pacer": before[0]["pacer"], "optimizer": [r["optimizer"] for r in before]}
+    assert before[0]["pacer"] == before[1]["pacer"] and state["pacer"]["cursor"] == 5 * 2 * PER_RANK
+    after = run_ranks(train_stream, world_size=2, steps=5, state=state)
+    for rank in range(2):
+        shard = list(range(rank, N, 2))
+        seen = [i for r in (before, after) for t in r[rank]["plan"] for i in t[0] + t[1]]
+        assert seen == (shard * 10)[: len(seen)], f"rank {rank} skipped or repeated part of its stream"
+    assert sum(r["micro_batches"] for r in before) == 5 * 2 * PER_RANK  # 5 global batches
+    joined = [{"plan": b["plan"] + a["plan"]} for b, a in zip(before, after)]
+    assert relative_error(after[0]["final"], _reference(joined, "acco")) <= 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(after[0]["final"], after[1]["final"]))
+    with pytest.raises(ValueError, match="same number of ranks"):
+        sampler = StreamTickets(torch.distributed.HashStore(), BATCH)
+        Pacer(DataLoader(RankStream(0, 1), batch_size=BATCH, collate_fn=collate), sampler, 4).load_state_dict(
+            state["pacer"]
+        )

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--rank_matmuls", type=int, nargs="*", default=[], help="per rank: more compute per micro-batch"
     )
     parser.add_argument("--user_optimizer", action="store_true", help="pass an AdamW instance and a LambdaLR")
+    parser.add_argument("--iterable", action="store_true", help="the training data as a streamed IterableDataset")
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
     trainer_cls, args_cls = (ACCOTrainer, ACCOConfig) if cli.acco else (Trainer, TrainingArguments)
@@ -173,7 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = trainer_cls(
         model=model,
         args=args,
-        train_dataset=make_dataset(cli.train_size, 1),
+        train_dataset=make_dataset(cli.train_size, 1).to_iterable_dataset()
+        if cli.iterable
+        else make_dataset(cli.train_size, 1),
         eval_dataset=make_dataset(32, 2),
         callbacks=callbacks,
         optimizers=optimizers,
