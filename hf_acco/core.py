@@ -87,7 +87,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         optimizer_cls (`type`, defaults to `torch.optim.AdamW`): the element-wise inner optimizer.
         schedule (`str`, defaults to `"acco"`): ``"acco"``, ``"dpu"`` or ``"sync"``.
         accumulation (`str`, defaults to `"fixed"`): ``"fixed"``, ``"dynamic"`` or ``"paced"`` (the caller ends each
-            half with ``end_half()`` and each step with ``step()``, and a rank may have no micro-batch in either:
+            half with ``end_half()`` and each step with ``end_step()``, and a rank may have no micro-batch in either:
             the claimed micro-batches of pacing.py).
         micro_batches (`int`, defaults to 2): fixed mode: micro-batches per optimizer step per rank (even for
             acco: half of them per half).

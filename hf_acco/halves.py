@@ -80,7 +80,7 @@ class FixedHalves:
 
 
 class PacedHalves(FixedHalves):
-    """No half ends by itself: the caller ends them (``ACCOOptimizer.end_half`` and ``step``), where its claimed
+    """No half ends by itself: the caller ends them (``ACCOOptimizer.end_half`` and ``end_step``), where its claimed
     micro-batches cross a half's share of the global batch (pacing.py)."""
 
     def half_done(self, count: int, schedule: Schedule, inflight: InFlight | None, first: bool = True) -> bool:
