@@ -48,7 +48,7 @@ from .claims import ClaimingBatchSampler, default_store
 from .comm import check_world_size
 from .core import ACCOOptimizer
 from .pacing import Pacer
-from .trainer import _ensure_process_group
+from .trainer import _agreed_key, _ensure_process_group
 
 
 class ACCOAcceleratedOptimizer(AcceleratedOptimizer):
@@ -148,6 +148,6 @@ def acco_dataloader(
     _ensure_process_group(accelerator.device)
     store = default_store() if dist.get_world_size() > 1 else dist.HashStore()
     sampler = ClaimingBatchSampler(store, len(dataset), batch_size, seed=seed, drop_last=drop_last, shuffle=shuffle,
-                                   num_replicas=accelerator.num_processes)  # fmt: skip
+                                   num_replicas=accelerator.num_processes, key=_agreed_key("claims"))  # fmt: skip
     loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
     return Pacer(loader, sampler, micro_batches or accelerator.num_processes * accelerator.gradient_accumulation_steps)

@@ -119,7 +119,9 @@ class ClaimingBatchSampler:
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the saved one."""
-        return {"num_samples": self.num_samples, "batch_size": self.batch_size, "seed": self.seed}
+        order = "custom" if self.order is not None else "permutation" if self.shuffle else "in order"
+        return {"num_samples": self.num_samples, "batch_size": self.batch_size, "seed": self.seed,
+                "drop_last": self.drop_last, "order": order}  # fmt: skip
 
 
 class StreamTickets:

@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import re
+import uuid
 from typing import Any
 
 import datasets
@@ -164,6 +165,10 @@ class ACCOTrainerMixin:
             _check_takeover(optimizers[0], given.get("args"))
         super().__init__(*args, **kwargs)
         _check_args(self.args)  # again: a subclass may build or replace its config in __init__ (TRL does)
+        if engine_accumulation(self.args) == "paced" and self.args.average_tokens_across_devices:
+            # Trainer would gather each micro-batch's token count across ranks, and ranks compute different numbers
+            # of micro-batches: a hang. ACCO weighs the tokens exactly without it (see _micro_batch_weight).
+            self.args.average_tokens_across_devices = False
         if self.train_dataset is not None and hasattr(self.train_dataset, "__len__") and len(self.train_dataset) == 0:
             raise ValueError("train_dataset is empty: ACCO has nothing to train on. Check the data files and filters.")
         if self.optimizer_cls_and_kwargs is None:
@@ -332,9 +337,16 @@ class ACCOTrainerMixin:
                 "'group_by_length'."
             )
         seed = args.data_seed if args.data_seed is not None else args.seed
+        if args.dataloader_num_workers > 0:
+            logger.warning(
+                "acco_accumulation='dynamic' with dataloader_num_workers=%d: the workers claim about prefetch_factor "
+                "x num_workers batches ahead, so a slow rank holds more claims than it would compute in time. Use 0 "
+                "or 1 worker and a small dataloader_prefetch_factor when a rank is much slower.",
+                args.dataloader_num_workers,
+            )
         sampler = ClaimingBatchSampler(
             store, len(dataset), self._train_batch_size, seed=seed, drop_last=args.dataloader_drop_last,
-            shuffle=strategy != "sequential", num_replicas=args.world_size,
+            shuffle=strategy != "sequential", num_replicas=args.world_size, key=_agreed_key("claims"),
             order=self._length_grouped_order(dataset, seed) if strategy == "group_by_length" else None,
         )  # fmt: skip
         loader = torch.utils.data.DataLoader(
@@ -365,9 +377,8 @@ class ACCOTrainerMixin:
             collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="Training"),
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
         )  # fmt: skip
-        return Pacer(
-            loader, StreamTickets(store, self._train_batch_size), args.world_size * args.gradient_accumulation_steps
-        )
+        tickets = StreamTickets(store, self._train_batch_size, key=_agreed_key("tickets"))
+        return Pacer(loader, tickets, args.world_size * args.gradient_accumulation_steps)
 
     def _length_grouped_order(self, dataset: Any, seed: int) -> Any:
         """group_by_length: Trainer's grouping of similar lengths, seeded per epoch the same way on every rank."""
@@ -402,11 +413,12 @@ class ACCOTrainerMixin:
                 )
             with open(path, encoding="utf-8") as f:
                 self._pacer.load_state_dict(json.load(f))
-            if self.args.max_steps <= 0:  # epochs: the steps the data has left at this world size (the same
-                per_epoch = -(-len(self._pacer.sampler) // self.args.gradient_accumulation_steps)  # as Trainer's
-                later = max(self.args.num_train_epochs - self._pacer.resume_epoch - 1, 0)  # count unless the
-                left = self._pacer.steps_left() + math.ceil(later * per_epoch)  # checkpoint had other ranks)
-                self.state.max_steps = self.state.global_step + left
+            if self.args.max_steps <= 0:  # epochs: the steps the data has left at this world size (Trainer's
+                # count unless the checkpoint had other ranks), a fractional last epoch included
+                per_epoch = -(-len(self._pacer.sampler) // self.args.gradient_accumulation_steps)
+                done = per_epoch - self._pacer.steps_left()  # of the resumed epoch, in this world size's steps
+                epochs_left = self.args.num_train_epochs - self._pacer.resume_epoch
+                self.state.max_steps = self.state.global_step + max(math.ceil(epochs_left * per_epoch) - done, 0)
         return self._pacer.resume_epoch, 0
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
@@ -449,6 +461,8 @@ class ACCOTrainerMixin:
         loss_sum, weight_sum = torch.zeros((), device=self.args.device), 0.0
         for inputs in self._pacer.step_batches(self.acco):
             num_items = self._get_num_items_in_batch([inputs], self.args.device)  # this micro-batch's alone
+            if torch.is_tensor(num_items) and int(num_items) == 0:  # all labels masked: weight 0, zero gradient
+                num_items = torch.ones_like(num_items)  # (not a division by zero on this rank alone)
             weight, scale = self._micro_batch_weight(inputs, num_items)
             self.acco.grad_scale = scale
             loss = super().training_step(model, inputs, num_items)
@@ -714,6 +728,15 @@ class _EndlessSlots:
 
     def set_epoch(self, epoch: int) -> None:
         self.pacer.set_epoch(epoch)
+
+
+def _agreed_key(kind: str) -> str:
+    """A name for this run's claim counters, rank 0's on every rank (collective): samplers built by one rank only
+    (a callback's extra dataloader) cannot make the ranks count on different counters."""
+    key = [f"hf_acco/{kind}/{uuid.uuid4().hex}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(key, src=0)
+    return key[0]
 
 
 def _atomic_write_json(obj: Any, path: str) -> None:
