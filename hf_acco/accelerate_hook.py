@@ -143,7 +143,7 @@ def acco_dataloader(
     ``micro_batches``: per optimizer step over all ranks (default ``num_processes x gradient_accumulation_steps``).
     ``loader_kwargs`` go to the DataLoader (``collate_fn``, ``num_workers``, ...). Call ``set_epoch`` before every
     epoch; ``state_dict()`` at a step boundary is the position to resume from (``load_state_dict``), on any
-    number of ranks.
+    number of ranks. Collective: every rank (they agree on the claim counter's name).
     """
     _ensure_process_group(accelerator.device)
     store = default_store() if dist.get_world_size() > 1 else dist.HashStore()

@@ -346,7 +346,7 @@ class ACCOTrainerMixin:
             )
         sampler = ClaimingBatchSampler(
             store, len(dataset), self._train_batch_size, seed=seed, drop_last=args.dataloader_drop_last,
-            shuffle=strategy != "sequential", num_replicas=args.world_size, key=_agreed_key("claims"),
+            shuffle=strategy != "sequential", num_replicas=args.world_size,
             order=self._length_grouped_order(dataset, seed) if strategy == "group_by_length" else None,
         )  # fmt: skip
         loader = torch.utils.data.DataLoader(
@@ -377,7 +377,7 @@ class ACCOTrainerMixin:
             collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="Training"),
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
         )  # fmt: skip
-        tickets = StreamTickets(store, self._train_batch_size, key=_agreed_key("tickets"))
+        tickets = StreamTickets(store, self._train_batch_size)
         return Pacer(loader, tickets, args.world_size * args.gradient_accumulation_steps)
 
     def _length_grouped_order(self, dataset: Any, seed: int) -> Any:
@@ -397,6 +397,9 @@ class ACCOTrainerMixin:
         epochs_trained, steps_trained = super()._init_training_state(*args, **kwargs)
         if self._pacer is None:
             return epochs_trained, steps_trained
+        # the claim counters' name: rank 0's on every rank, agreed here, inside train() where every rank is (a
+        # dataloader built by one rank alone, say by a callback, must not shift the names the ranks count on)
+        self._pacer.sampler.key = _agreed_key("claims")
         # Dynamic mode: the epoch and the position in it come from the checkpoint's data state (Trainer would
         # derive them from global_step and skip batches by fetching them, which here would claim them).
         checkpoint = (
@@ -731,8 +734,7 @@ class _EndlessSlots:
 
 
 def _agreed_key(kind: str) -> str:
-    """A name for this run's claim counters, rank 0's on every rank (collective): samplers built by one rank only
-    (a callback's extra dataloader) cannot make the ranks count on different counters."""
+    """A name for this run's claim counters, rank 0's on every rank (collective)."""
     key = [f"hf_acco/{kind}/{uuid.uuid4().hex}"]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(key, src=0)
