@@ -35,12 +35,8 @@ METHODS = {  # name -> pretrain_clm.py arguments
 def run(method: str, seed: int, args: argparse.Namespace) -> dict:
     out = Path(args.output_dir) / "runs" / f"{method.replace('+', '_')}_seed{seed}"
     if not (out / "metrics.json").is_file():
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
-               str(ROOT / "recipes" / "pretrain_clm.py"), *METHODS[method], "--seed", str(seed),
-               "--max_steps", str(args.max_steps), "--eval_steps", str(args.eval_steps),
-               "--output_dir", str(out), *args.extra]  # fmt: skip
-        print(f"[study] {method} seed {seed}: {' '.join(cmd[3:])}", flush=True)
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        launch("pretrain_clm.py", args, *METHODS[method], "--seed", str(seed), "--max_steps", str(args.max_steps),
+               "--eval_steps", str(args.eval_steps), "--output_dir", str(out), *args.extra)  # fmt: skip
     metrics = json.loads((out / "metrics.json").read_text())
     return {**metrics, "method": method}
 

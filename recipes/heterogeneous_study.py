@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from convergence_study import launch  # this folder's: the same `accelerate launch` of a recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {  # name -> pretrain_clm.py arguments
@@ -33,13 +33,10 @@ METHODS = {  # name -> pretrain_clm.py arguments
 def run(method: str, args: argparse.Namespace) -> dict:
     out = Path(args.output_dir) / "runs" / method.replace(" ", "_")
     if not (out / "metrics.json").is_file():
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
-               str(ROOT / "recipes" / "pretrain_clm.py"), *METHODS[method], "--seed", str(args.seed),
-               "--max_steps", str(args.max_steps), "--eval_steps", str(args.eval_steps), "--lambada_path", "",
-               "--slow_rank_delay", str(args.slow_rank_delay), "--gradient_accumulation_steps",
-               str(args.gradient_accumulation_steps), "--output_dir", str(out), *args.extra]  # fmt: skip
-        print(f"[study] {method}: {' '.join(cmd[3:])}", flush=True)
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        launch("pretrain_clm.py", args, *METHODS[method], "--seed", str(args.seed), "--max_steps", str(args.max_steps),
+               "--eval_steps", str(args.eval_steps), "--lambada_path", "", "--slow_rank_delay",
+               str(args.slow_rank_delay), "--gradient_accumulation_steps", str(args.gradient_accumulation_steps),
+               "--output_dir", str(out), *args.extra)  # fmt: skip
     return {**json.loads((out / "metrics.json").read_text()), "method": method}
 
 
