@@ -3,8 +3,10 @@
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -173,16 +175,42 @@ def test_the_benchmark_command_on_host_loopback(tmp_path):
     assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "step_time_vs_link.png").stat().st_size > 0
 
 
+def test_the_benchmark_command_with_3_ranks_and_emulated_compute(tmp_path):
+    """3 ranks (odd: the shards pad), GPU-like compute: every micro-batch takes at least the stated 40 ms and the
+    ballast's 30,000 elements are communicated; the rows say emulated."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "hf_acco.bench", "--no_netns", "--world_size", "3", "--repeats", "1", "--steps",
+           "4", "--hidden", "32", "--layers", "2", "--heads", "1", "--seq", "16", "--batch", "2",
+           "--emulate_micro_batch_s", "0.04", "--emulate_params", "30000", "--methods", "acco:fixed", "acco:dynamic",
+           "ddp:fixed", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads((out / "benchmark.json").read_text())
+    assert {(r["method"], r["accumulation"]) for r in payload["runs"]} == {
+        ("acco", "fixed"), ("acco", "dynamic"), ("ddp", "fixed")}  # fmt: skip
+    for r in payload["runs"]:
+        assert r["emulated"] is True and r["world_size"] == 3
+        assert r["t_compute_s"] >= 4 * 0.04  # 4 micro-batches per step, each at least the stated time
+        assert r["comm_alone"]["numel"] > 30000
+    dynamic = next(r for r in payload["runs"] if r["accumulation"] == "dynamic")
+    assert sum(dynamic["micro_batches_per_step"][0]) == pytest.approx(3 * 4)  # the global batch, shared by 3
+    assert (out / "table.md").read_text().count("loopback, 3 ranks (emulated)") == 3
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
-def test_shaped_link_limits_the_rate_and_is_removed():
-    """A veth pair shaped at 40 Mbit/s carries about 40 Mbit/s; the namespaces are gone afterwards."""
-    with link.Link(prefix="hfaccotest") as ln:
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shaped_link_limits_the_rate_and_is_removed(world_size):
+    """Shaped at 40 Mbit/s, a veth pair (2 ranks) or a bridge's port (3: rank 1 -> rank 2; each port is shaped,
+    not the bridge) carries about 40 Mbit/s; the namespaces are gone afterwards."""
+    sender, receiver = world_size - 2, world_size - 1
+    with link.Link(prefix="hfaccotest", world_size=world_size) as ln:
         ln.shape(40)
-        server = subprocess.Popen(ln.wrap(1, [sys.executable, "-c", _SINK]), stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(ln.wrap(receiver, [sys.executable, "-c", _SINK]), stdout=subprocess.PIPE, text=True)
         try:
-            code = _SOURCE.format(addr="10.213.7.2")
-            sent = subprocess.run(ln.wrap(0, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=60)
+            code = _SOURCE.format(addr=f"10.213.7.{receiver + 1}")
+            sent = subprocess.run(ln.wrap(sender, [sys.executable, "-c", code]), capture_output=True, text=True,
+                                  timeout=60)  # fmt: skip
             assert sent.returncode == 0, sent.stderr
             mbit = float(sent.stdout)
         finally:
@@ -238,3 +266,83 @@ def test_the_benchmarks_ddp_bf16_hook_averages_in_bf16() -> None:
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], expected)
     assert not torch.equal(expected, sum(local) / 2)  # the rounding is there
     assert method_parts("acco-bf16") == ("acco", "bf16") and method_parts("ddp") == ("ddp", "fp32")
+
+
+@pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
+def test_a_bridge_joins_n_ranks_each_shaped_both_ways_and_is_removed():
+    """4 ranks: a namespace each and one for the bridge; tbf on each rank's end and on its bridge port."""
+
+    def listed() -> str:
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+    with link.Link(prefix="hfaccotestbr", world_size=4) as ln:
+        assert ln.bridge and len(ln.namespaces) == 4 and ln.master_addr() == "10.213.7.1"
+        ln.shape(50)
+        qdiscs = subprocess.run(["tc", "-n", ln.bridge_namespace, "qdisc", "show"], capture_output=True, text=True)
+        assert qdiscs.stdout.count("tbf") == 4 and "rate 50Mbit" in qdiscs.stdout
+        for r in range(4):
+            shown = subprocess.run(["tc", "-n", ln.namespace(r), "qdisc", "show", "dev", ln.device(r)],
+                                   capture_output=True, text=True).stdout  # fmt: skip
+            assert "tbf" in shown and "rate 50Mbit" in shown
+            address = subprocess.run(["ip", "-n", ln.namespace(r), "-4", "addr", "show", ln.device(r)],
+                                     capture_output=True, text=True).stdout  # fmt: skip
+            assert f"10.213.7.{r + 1}/24" in address and "mtu 9000" in address
+        ports = subprocess.run(["ip", "-n", ln.bridge_namespace, "link", "show", "master", "br0"],
+                               capture_output=True, text=True).stdout  # fmt: skip
+        assert all(p in ports for p in ln.ports)
+        assert listed().count("hfaccotestbr") == 5
+    assert "hfaccotestbr" not in listed()
+    with pytest.raises(ValueError, match="bridge=True"):
+        link.Link(world_size=3, bridge=False)
+    with pytest.raises(ValueError, match="at least 2"):
+        link.Link(world_size=1)
+
+
+def test_emulated_compute_takes_the_stated_time_and_carries_the_ballast():
+    """A micro-batch's real gradients, then waits: forward to 1/3 of the stated time, each layer's backward to
+    its share (last layer first), the end at the stated time; the ballast adds its elements, with gradients."""
+    from hf_acco.bench.worker import Emulation, batches, build_model, compute_alone, load_tokens
+
+    spec = {"seed": 0, "hidden": 16, "layers": 3, "heads": 1, "seq": 16, "batch": 2}
+    plain = sum(p.numel() for p in build_model(spec).parameters())
+    emu = Emulation(micro_batch_s=0.15, params=1000)
+    reached = []
+    original = emu.backward_reached
+    emu.backward_reached = lambda layer: (original(layer), reached.append((layer, time.perf_counter() - emu.t0)))
+    model = build_model(spec, emu)
+    assert sum(p.numel() for p in model.parameters()) == plain + 1000
+    assert [b.bench_ballast.numel() for b in model.model.layers] == [334, 333, 333]
+    seconds = compute_alone(model, batches(load_tokens(None), spec, 0), repeats=2, warmup=0, emu=emu)
+    assert all(0.15 <= s < 0.15 + 0.5 for s in seconds)
+    assert [layer for layer, _ in reached[:3]] == [2, 1, 0]  # the backward meets the last layer first
+    for layer, at in reached[:3]:  # each layer's gradients come after its share of the backward
+        assert at >= 0.05 + 0.1 * (3 - layer) / 3 - 1e-3
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+    assert all(b.bench_ballast.grad is not None for b in model.model.layers)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
+def test_the_scaling_benchmark_at_2_and_3_ranks(tmp_path):
+    """The whole scaling command, small: 2 and 3 ranks on a bridge, emulated compute, the planner's fit and its
+    recommendation check (about 4 minutes)."""
+    out = tmp_path / "scaling"
+    cmd = [sys.executable, "-m", "hf_acco.bench.scaling", "--world_sizes", "2", "3", "--steps", "5", "--repeats", "1",
+           "--params", "1e6", "--check", "3:1.0", "--check_micro_batches", "2", "4", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads((out / "benchmark.json").read_text())
+    assert payload["emulated"] is True
+    runs = payload["runs"]
+    assert {(r["world_size"], r["method"], r["accumulation"]) for r in runs if r["setting"].startswith("scaling")} == {
+        (p, m, a) for p in (2, 3) for m, a in (("acco", "fixed"), ("acco", "dynamic"), ("sync", "fixed"),
+                                               ("ddp", "fixed"))}  # fmt: skip
+    for r in runs:
+        assert r["emulated"] is True and r["step_time_s"] > 0 and r["predicted_step_time_s"] > 0
+        # the emulated micro-batch: a round alone over (ratio x micro-batches), the check's at its own ratio
+        assert statistics.median(r["t_micro_s"]) >= 0.9 * r["round_alone_s"] / (r["comm_over_compute"] * 4)
+    check = payload["recommendation_check"]
+    assert len(check["candidates_measured"]) == 6 and 0 < check["recommended_over_best"] <= 1.0
+    assert json.loads((out / "constants.json").read_text())["source"].startswith("fitted")
+    assert (out / "step_time_vs_world_size.png").stat().st_size > 0 and "(emulated)" in (out / "table.md").read_text()
+    assert "hfacco" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

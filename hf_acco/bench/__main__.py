@@ -1,5 +1,5 @@
 """Benchmark: ACCO (fixed, dynamic), DPU, ZeRO-1 (sync) and DDP as Trainer runs it, side by side, on a real,
-rate-limited link between 2 ranks, with and without a slow rank.
+rate-limited link between 2 ranks (``--world_size``: more, joined by a bridge), with and without a slow rank.
 
     python -m hf_acco.bench                               # the full run (about 20 min on 2 CPU cores)
     python -m hf_acco.bench --ratios 0.5 --repeats 1 --steps 10 --out outputs/bench   # a quick look
@@ -15,6 +15,10 @@ built from a config, learning real text (``../shared/data/text`` when present, e
 ``acco`` dynamic runs ACCOTrainer's dynamic path (claims.py + pacing.py): the same global batch of 2 x
 ``--micro_batches`` micro-batches per step as every other method, each rank computing as many of them as its speed
 allows (the slow rank fewer).
+
+``--emulate_micro_batch_s T --emulate_params N``: GPU-like compute (``worker.Emulation``: real gradients of the
+small model, then a wait to ``T`` s per micro-batch, ``N`` extra trainable elements communicated); its runs are
+labelled ``emulated``. The N-rank study with the planner beside it: ``python -m hf_acco.bench.scaling``.
 
 Writes ``benchmark.json`` (``runs``: one entry per method and setting), ``table.md`` and PNG plots to ``--out``.
 Definitions of every figure: ``hf_acco/bench/report.py``.
@@ -74,6 +78,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target_loss", type=float, default=None,
                    help="default: Trainer-DDP's smoothed loss after 3/4 of its tokens, per setting")  # fmt: skip
     p.add_argument("--no_netns", action="store_true", help="host loopback only, no namespaces (no root needed)")
+    p.add_argument("--world_size", type=int, default=2, help="ranks; above 2 they are joined by a bridge")
+    p.add_argument(
+        "--emulate_micro_batch_s",
+        type=float,
+        default=None,
+        help="GPU-like compute: real gradients, then a wait to this many seconds per micro-batch",
+    )
+    p.add_argument(
+        "--emulate_params",
+        type=float,
+        default=0,
+        help="with --emulate_micro_batch_s: extra trainable elements the methods communicate",
+    )
     p.add_argument("--timeout_s", type=int, default=1800, help="per setting")
     return p.parse_args(argv)
 
@@ -85,18 +102,20 @@ def _free_port() -> int:
 
 
 def run_setting(label: str, link: Link | None, spec: dict[str, Any], workdir: Path, timeout_s: int) -> list[dict]:
-    """Start both ranks (each in its namespace), stream rank 0's progress, return both ranks' logs."""
+    """Start every rank (each in its namespace), stream rank 0's progress, return every rank's log."""
+    world_size = link.world_size if link is not None else spec.get("world_size", 2)
     spec = {**spec, "label": label}
     spec_path = workdir / f"{label}.spec.json"
     spec_path.write_text(json.dumps(spec))
     procs, outs = [], []
     port = 29600 if link is not None else _free_port()
-    for rank in range(2):
+    for rank in range(world_size):
         out = workdir / f"{label}.rank{rank}.json"
         out.unlink(missing_ok=True)
         outs.append(out)
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1",
-               "MASTER_ADDR": link.master_addr() if link else "127.0.0.1", "MASTER_PORT": str(port),
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+               "OMP_NUM_THREADS": "1", "MASTER_PORT": str(port),
+               "MASTER_ADDR": link.master_addr() if link else "127.0.0.1",
                "GLOO_SOCKET_IFNAME": link.device(rank) if link else "lo"}  # fmt: skip
         argv = [sys.executable, "-m", "hf_acco.bench.worker", str(spec_path), str(out)]
         procs.append(subprocess.Popen(link.wrap(rank, argv) if link else argv, env=env))
@@ -119,7 +138,7 @@ def run_setting(label: str, link: Link | None, spec: dict[str, Any], workdir: Pa
 
 
 def summarise_setting(logs: list[dict], setting: dict[str, Any], target: float | None) -> list[dict]:
-    window = 2 * 2 * logs[0]["runs"][0].get("k", 4)
+    window = len(logs) * 2 * logs[0]["runs"][0].get("k", 4)
     rounds = {"acco": 2, "dpu": 1, "sync": 1}
     # the wire time alone was measured for an fp32 round (or all-reduce); other dtypes move fewer bytes
     param_bytes = 2 if setting.get("model_dtype") == "bf16" else 4
@@ -209,7 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [tuple(m.split(":")) for m in args.methods]
     base = {"seed": args.seed, "hidden": args.hidden, "layers": args.layers, "heads": args.heads, "seq": args.seq,
             "batch": args.batch, "micro_batches": args.micro_batches, "lr": args.lr, "steps": args.steps,
-            "text_path": args.text, "timeout_s": 600, "slow_factor": 1.0, "model_dtype": args.model_dtype}  # fmt: skip
+            "text_path": args.text, "timeout_s": 600, "slow_factor": 1.0, "model_dtype": args.model_dtype,
+            "world_size": args.world_size}  # fmt: skip
+    if args.emulate_micro_batch_s is not None:
+        base["emulate"] = {"micro_batch_s": args.emulate_micro_batch_s, "params": int(args.emulate_params)}
 
     def plan(repeats: int) -> list[dict]:  # interleaved; the order rotates between repeats
         rotated = lambda r: methods[r % len(methods) :] + methods[: r % len(methods)]  # noqa: E731
@@ -226,14 +248,15 @@ def main(argv: list[str] | None = None) -> dict:
         ) -> tuple[list[dict], list[dict]]:
             if link is not None:
                 link.shape(mbit)
-            devices = [link.device(rank) for rank in range(2)] if link else None
+            devices = [link.device(rank) for rank in range(args.world_size)] if link else None
             spec = {**base, "runs": plan(args.repeats), "slow_factor": slow, "devices": devices,
                     "shared_device": bool(link and link.loopback)}  # fmt: skip
             print(f"[bench] setting {label}: link {'unshaped' if mbit is None else f'{mbit:.0f} Mbit/s'}, "
                   f"slow factor {slow:g} ({time.time() - started:.0f} s so far)", flush=True)  # fmt: skip
             logs = run_setting(label, link, spec, workdir, args.timeout_s)
             setting = {"setting": label, "link_mbit": mbit, "comm_over_compute": ratio, "slow_factor": slow,
-                       "model_dtype": args.model_dtype}  # fmt: skip
+                       "model_dtype": args.model_dtype, "world_size": args.world_size,
+                       "emulated": "emulate" in base}  # fmt: skip
             return logs, report_setting(logs, setting)
 
         def report_setting(logs: list[dict], setting: dict) -> list[dict]:
@@ -245,12 +268,12 @@ def main(argv: list[str] | None = None) -> dict:
         if why_not:
             measure("loopback", None, None, None, 1.0)
         else:
-            with Link(loopback=True) as lo:
+            with Link(loopback=True, world_size=args.world_size) as lo:
                 logs, _ = measure("loopback", lo, None, None, 1.0)
             # calibration from the loopback setting: one step's compute, one round's bytes per rank
             t_compute = statistics.mean(log["t_micro"] for log in logs) * args.micro_batches  # no rank is slowed
             round_bytes = max(log["comm"]["all_to_all_bytes"] for log in logs)
-            with Link() as link:
+            with Link(world_size=args.world_size) as link:
                 settings = [(f"ratio{r:g}", r, 1.0) for r in args.ratios]
                 if args.slow_factor != 1.0:
                     settings.append((f"slow{args.slow_factor:g}x_ratio{args.slow_ratio:g}", args.slow_ratio,

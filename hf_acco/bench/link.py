@@ -1,11 +1,20 @@
-"""A real, rate-limited link between two ranks: one network namespace per rank, a veth pair, tbf on both ends.
+"""Real, rate-limited links between ranks: one network namespace per rank, tbf on every link's ends.
 
     with Link() as link:              # needs root and iproute2 (ip, tc); Link.unavailable() says why not
         link.shape(200)               # Mbit/s each way; None: unshaped
         argv = link.wrap(rank, ["python", ...])   # runs in rank's namespace
-    # namespaces (and with them the veth pair and its qdiscs) are gone, also after Ctrl-C or an error
+    # namespaces (and with them the veths, the bridge and their qdiscs) are gone, also after Ctrl-C or an error
 
-``Link(loopback=True)`` puts both ranks in one namespace on its loopback: unshaped, but its byte counters see
+Two ranks (``Link()``): a veth pair between the two namespaces. N ranks (``Link(world_size=N)``, and
+``bridge=True`` at any size): a switch, as on a cluster: a Linux bridge in a namespace of its own, and for each
+rank a veth pair from the rank's namespace to a port of the bridge. Every rank's link is shaped each way: tbf on
+the rank's end (what it sends) and on the bridge's end (what it receives), so a rank's NIC has the stated rate
+and the bridge itself is not a bottleneck (it forwards in memory). Set-up: ``ip netns add`` per rank and the
+bridge, ``ip link add ... type bridge``, ``ip link add ... type veth peer ...``, ``ip link set ... master br0``.
+Tear-down: deleting the namespaces (``ip netns del``) deletes the veths, the bridge and the qdiscs with them, at
+exit, on SIGTERM, on an error during set-up; namespaces of a killed run are deleted by the next one.
+
+``Link(loopback=True)`` puts every rank in one namespace on its loopback: unshaped, but its byte counters see
 only the benchmark's traffic. Only the addresses inside the namespaces it creates are used.
 """
 
@@ -51,13 +60,25 @@ def _run(*argv: str) -> None:
 
 
 class Link:
-    """Two ranks joined by a veth pair (MTU 9000) in their own namespaces (or one namespace's loopback)."""
+    """Ranks in their own namespaces joined by a veth pair (2 ranks) or a bridge (MTU 9000), or one namespace's
+    loopback."""
 
-    def __init__(self, loopback: bool = False, prefix: str | None = None) -> None:
-        self.loopback = loopback
+    def __init__(
+        self, loopback: bool = False, prefix: str | None = None, world_size: int = 2, bridge: bool | None = None
+    ) -> None:
+        if world_size < 2:
+            raise ValueError(f"a link joins at least 2 ranks, got world_size={world_size}")
+        self.loopback, self.world_size = loopback, world_size
+        self.bridge = not loopback and (world_size > 2 if bridge is None else bridge)
+        if not loopback and not self.bridge and world_size != 2:
+            raise ValueError("a veth pair joins 2 ranks: use bridge=True for more")
         self.prefix = prefix or f"hfacco{os.getpid()}"
-        self.namespaces = [f"{self.prefix}lo"] if loopback else [f"{self.prefix}r0", f"{self.prefix}r1"]
-        self.devices = ["lo"] if loopback else [f"hfa{os.getpid() % 100000}v0", f"hfa{os.getpid() % 100000}v1"]
+        tag = f"hfa{os.getpid() % 100000}"
+        ranks = range(world_size)
+        self.namespaces = [f"{self.prefix}lo"] if loopback else [f"{self.prefix}r{r}" for r in ranks]
+        self.devices = ["lo"] if loopback else [f"{tag}v{r}" for r in ranks]
+        self.bridge_namespace = f"{self.prefix}br" if self.bridge else None
+        self.ports = [f"{tag}b{r}" for r in ranks] if self.bridge else []  # the bridge's end of each rank's veth
         self.mbit: float | None = None
         self._up = False
 
@@ -91,13 +112,21 @@ class Link:
         signal.signal(signal.SIGTERM, on_term)
         self._up = True
         try:
-            for ns in self.namespaces:
+            for ns in self.namespaces + ([self.bridge_namespace] if self.bridge else []):
                 _run("ip", "netns", "add", ns)
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
-            if not self.loopback:
+            if self.bridge:
+                br = self.bridge_namespace
+                _run("ip", "-n", br, "link", "add", "br0", "mtu", str(MTU), "type", "bridge")
+                _run("ip", "-n", br, "link", "set", "br0", "up")
+                for ns, dev, port in zip(self.namespaces, self.devices, self.ports):
+                    _run("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", br)
+                    _run("ip", "-n", br, "link", "set", port, "mtu", str(MTU), "master", "br0", "up")
+            elif not self.loopback:
                 a, b = self.devices
                 _run("ip", "link", "add", a, "netns", self.namespaces[0], "type", "veth", "peer", "name", b,
                      "netns", self.namespaces[1])  # fmt: skip
+            if not self.loopback:
                 for rank, (ns, dev) in enumerate(zip(self.namespaces, self.devices)):
                     _run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{rank + 1}/24", "dev", dev)
                     _run("ip", "-n", ns, "link", "set", dev, "mtu", str(MTU), "up")
@@ -107,12 +136,14 @@ class Link:
         return self
 
     def shape(self, mbit: float | None) -> None:
-        """Limit each direction to ``mbit`` Mbit/s (tbf on both veth ends); ``None`` removes the limit."""
+        """Limit every rank's link to ``mbit`` Mbit/s each way (tbf on both ends of each veth); ``None`` removes
+        the limit."""
         if self.loopback:
             if mbit is not None:
                 raise ValueError("the loopback link is not shaped")
             return
-        for ns, dev in zip(self.namespaces, self.devices):
+        ends = list(zip(self.namespaces, self.devices)) + [(self.bridge_namespace, port) for port in self.ports]
+        for ns, dev in ends:
             if mbit is None:
                 subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
             else:
@@ -123,7 +154,8 @@ class Link:
         if not self._up:
             return
         self._up = False
-        for ns in self.namespaces:  # deleting a namespace deletes its end of the veth pair and the qdisc
+        # deleting a namespace deletes its devices (veth ends, the bridge) and their qdiscs
+        for ns in self.namespaces + ([self.bridge_namespace] if self.bridge else []):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
     def __exit__(self, *exc) -> None:
@@ -136,7 +168,7 @@ def remove_stale() -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     removed = []
     for name in listed:
-        match = re.fullmatch(r"hfacco(\d+)(r0|r1|lo)", name)
+        match = re.fullmatch(r"hfacco(\d+)(r\d+|lo|br)", name)
         if match and not Path(f"/proc/{match.group(1)}").exists():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)

@@ -179,6 +179,7 @@ def combine_repeats(summaries: Sequence[dict[str, Any]], target: float | None) -
         out[key] = med(key)
     out["step_time_s_all"] = [s["step_time_s"] for s in summaries]
     out["cpu_per_wall"] = [s.get("cpu_per_wall") for s in summaries]  # per repetition, per rank
+    out["micro_batches_per_step"] = [s.get("micro_batches_per_step") for s in summaries]  # per repetition, per rank
     out["target_loss"] = target
     # the median over repetitions; a repetition that never reached the target counts as infinitely slow
     out["time_to_target_s"] = statistics.median([h[0] if h is not None else math.inf for h in hits]) if hits else None
@@ -237,6 +238,10 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
 
         name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
         link = "loopback" if r["link_mbit"] is None else f"{r['link_mbit']:.0f}"
+        if r.get("world_size", 2) != 2:
+            link += f", {r['world_size']} ranks"
+        if r.get("emulated"):  # GPU-like compute (worker.Emulation): never mistaken for a real-compute figure
+            link += " (emulated)"
         cells = [link, _ratio_cell(r), f"{r['slow_factor']:g}x", name,
                  _fmt(r["step_time_s"]), ratio(sync, "step_time_s"), ratio(ddp, "step_time_s"), _fmt(r["limit_s"]),
                  _fmt(r["t_compute_s"]), _fmt(r["t_comm_s"]), _fmt(r["exposed_comm_s"]),

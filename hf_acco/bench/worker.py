@@ -45,7 +45,7 @@ def load_tokens(path: str | None, seed: int = 0) -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
-def build_model(spec: dict[str, Any]) -> torch.nn.Module:
+def build_model(spec: dict[str, Any], emulation: Emulation | None = None) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(spec["seed"])
@@ -59,6 +59,8 @@ def build_model(spec: dict[str, Any]) -> torch.nn.Module:
         max_position_embeddings=spec["seq"],
     )
     model = LlamaForCausalLM(config)
+    if emulation is not None:
+        emulation.attach(model)
     return model.to(torch.bfloat16) if spec.get("model_dtype") == "bf16" else model
 
 
@@ -97,6 +99,86 @@ class Slowdown:
     def __call__(self) -> None:
         if self.seconds > 0:
             time.sleep(self.seconds)
+
+
+class _WaitInBackward(torch.autograd.Function):
+    """Identity forward; its backward waits until ``emulation``'s deadline for ``layer`` before passing the
+    gradient on (to the layer's own parameters, whose gradients are then ready, as a GPU's would be)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, emulation: Emulation, layer: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.emulation, ctx.layer = emulation, layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        ctx.emulation.backward_reached(ctx.layer)
+        return grad, None, None
+
+
+class Emulation:
+    """GPU-like compute: a micro-batch computes the real gradients of the (small) model, then waits, so that it
+    takes ``micro_batch_s`` with the CPU free meanwhile, as a GPU leaves the host; and the model carries a
+    ballast of ``params`` extra trainable elements, so that what the methods communicate and update is the
+    gradients of a model of that size.
+
+    Timeline of one micro-batch from ``begin()``: the forward ends at ``forward_share x micro_batch_s``; the
+    backward then reaches layer ``i`` (last layer first) at ``forward + (L - i) / L x backward`` and only then
+    computes that layer's gradients (ballast included): DDP's buckets become ready during the backward, as on a
+    GPU, and overlap the rest of it; ``end()`` waits for the micro-batch's end. Waits run to deadlines, so the
+    real compute is inside the stated time (a micro-batch only takes longer when the CPU cannot keep up:
+    ``compute_slowdown`` in the report shows it)."""
+
+    def __init__(self, micro_batch_s: float, params: int, forward_share: float = 1 / 3) -> None:
+        self.micro_batch_s, self.params, self.forward_share = micro_batch_s, int(params), forward_share
+        self.layers = 1
+        self.t0 = 0.0
+
+    def attach(self, model: torch.nn.Module) -> None:
+        blocks = model.model.layers
+        self.layers = len(blocks)
+        sizes = [self.params // self.layers + (i < self.params % self.layers) for i in range(self.layers)]
+        for i, (block, size) in enumerate(zip(blocks, sizes)):
+            block.register_parameter("bench_ballast", torch.nn.Parameter(torch.zeros(size)))
+            block.register_forward_hook(self._hook(i))
+
+    def _hook(self, layer: int):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            hidden = output[0] if isinstance(output, tuple) else output
+            # the ballast's gradient (zeros, of its full size) is computed in this layer's backward
+            hidden = hidden + 0.0 * module.bench_ballast.sum().to(hidden.dtype)
+            hidden = _WaitInBackward.apply(hidden, self, layer)
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+        return hook
+
+    def _wait_until(self, fraction: float) -> None:
+        left = self.t0 + fraction * self.micro_batch_s - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def begin(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def forward_done(self) -> None:
+        self._wait_until(self.forward_share)
+
+    def backward_reached(self, layer: int) -> None:
+        done = (self.layers - layer) / self.layers
+        self._wait_until(self.forward_share + (1 - self.forward_share) * done)
+
+    def end(self) -> None:
+        self._wait_until(1.0)
+
+
+class _RealCompute:
+    """No emulation: a micro-batch takes what the CPU takes."""
+
+    def begin(self) -> None: ...
+
+    def forward_done(self) -> None: ...
+
+    def end(self) -> None: ...
 
 
 def _reset_peak_memory() -> None:
@@ -141,13 +223,17 @@ def bf16_wire_hook(process_group, bucket):  # noqa: ANN001, ANN201 - DDP checks 
     return future.then(decompress)
 
 
-def compute_alone(model, stream, repeats: int, warmup: int = 2) -> list[float]:
+def compute_alone(model, stream, repeats: int, warmup: int = 2, emu: Any = None) -> list[float]:
     """Seconds of ``repeats`` micro-batches (forward + backward) with no communication, after ``warmup``."""
-    seconds = []
+    seconds, emu = [], emu or _RealCompute()
     for i in range(warmup + repeats):
         ids = next(stream)
         t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        emu.begin()
+        loss = model(input_ids=ids, labels=ids).loss
+        emu.forward_done()
+        loss.backward()
+        emu.end()
         if i >= warmup:
             seconds.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
@@ -187,7 +273,13 @@ def comm_alone(model, traffic: Traffic, repeats: int) -> dict[str, float | None]
 
 
 def train_run(
-    run: dict[str, Any], spec: dict[str, Any], tokens: torch.Tensor, slow: Slowdown, traffic: Traffic, rank: int
+    run: dict[str, Any],
+    spec: dict[str, Any],
+    tokens: torch.Tensor,
+    slow: Slowdown,
+    traffic: Traffic,
+    rank: int,
+    emu: Emulation | None = None,
 ) -> dict[str, Any]:
     """One method for ``spec['steps']`` optimizer steps; the raw timings of this rank.
 
@@ -197,11 +289,12 @@ def train_run(
     """
     _reset_peak_memory()
     resident_before = _memory("VmRSS")
-    model = build_model(spec)
+    model = build_model(spec, emu)
+    timing = emu or _RealCompute()
     dist.barrier()
-    alone = compute_alone(model, batches(tokens, spec, rank + 1000), spec["micro_batches"], warmup=1)
+    alone = compute_alone(model, batches(tokens, spec, rank + 1000), 4, warmup=1, emu=emu)
     _reset_peak_memory()
-    k, steps = spec["micro_batches"], spec["steps"]
+    k, steps = run.get("k", spec["micro_batches"]), spec["steps"]
     method, wire = method_parts(run["method"])
     stream = batches(tokens, spec, rank)
     paced = False
@@ -216,7 +309,7 @@ def train_run(
         paced = run["accumulation"] == "dynamic"
         opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation="paced" if paced else "fixed",
                             micro_batches=k, max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
-                            comm_dtype=wire)  # fmt: skip
+                            comm_dtype=wire, bucket_numel=spec.get("bucket_numel"))  # fmt: skip
 
     tokens_per_mb = spec["batch"] * spec["seq"]
     records, step_ends, waits, per_step, mb_compute = [], [], [], [], []
@@ -225,11 +318,14 @@ def train_run(
     in_step = 0
 
     def acco_micro_batch(model: torch.nn.Module, opt: ACCOOptimizer, ids: torch.Tensor, t_mb: float) -> None:
+        timing.begin()
         loss = model(input_ids=ids, labels=ids).loss
+        timing.forward_done()
         loss.backward()
+        opt.after_backward()  # on a GPU part of the micro-batch: the emulated time includes it
+        timing.end()
         records.append((time.perf_counter() - t0, loss.item(), tokens_per_mb))
         mb_compute.append(time.perf_counter() - t_mb)
-        opt.after_backward()
 
     def step_ended(opt: ACCOOptimizer) -> None:
         step_ends.append(time.perf_counter() - t0)
@@ -250,8 +346,11 @@ def train_run(
             in_step += 1
             ctx = ddp.no_sync() if in_step < k else contextlib.nullcontext()
             with ctx:
+                timing.begin()
                 loss = ddp(input_ids=ids, labels=ids).loss
+                timing.forward_done()
                 (loss / k).backward()
+                timing.end()
             records.append((time.perf_counter() - t0, loss.item(), tokens_per_mb))
             if in_step < k:  # the last backward also all-reduces: not compute alone
                 mb_compute.append(time.perf_counter() - t_mb)
@@ -300,24 +399,38 @@ def main(spec_path: str, out_path: str) -> None:
     timeout = datetime.timedelta(seconds=spec.get("timeout_s", 600))
     dist.init_process_group("gloo", timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    slow = Slowdown(spec["slow_factor"] if rank == spec.get("slow_rank", 1) else 1.0)
+    factor = spec["slow_factor"] if rank == spec.get("slow_rank", 1) else 1.0
+    emu = None
+    if spec.get("emulate"):  # GPU-like compute: the slow rank's micro-batch is stated longer, no extra sleep
+        e = spec["emulate"]
+        # without micro_batch_s it is set from the round measured alone (comm_over_compute), below
+        emu = Emulation(e.get("micro_batch_s", 0.0) * factor, e["params"], e.get("forward_share", 1 / 3))
+        factor = 1.0
+    slow = Slowdown(factor)
     devices = spec.get("devices") or [None] * world_size
     traffic = Traffic(devices[rank], spec.get("shared_device", False), world_size)
     tokens = load_tokens(spec.get("text_path"), spec["seed"])
     say = (lambda msg: print(f"[bench {spec['label']}] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
 
-    model = build_model(spec)
-    dist.barrier()  # both ranks compute alone at the same time, as they will while training
-    alone = compute_alone(model, batches(tokens, spec, rank), spec.get("calibration_repeats", 10))
-    slow.calibrate(statistics.median(alone))  # the slow rank's sleep: fixed for the whole setting
+    model = build_model(spec, emu)
     dist.barrier()
     comm = comm_alone(model, traffic, spec.get("calibration_repeats", 10) // 2)
+    if emu is not None and spec["emulate"].get("comm_over_compute"):
+        # a micro-batch's time from the round measured alone: one round = comm_over_compute x a step's compute
+        # (the slowest rank's round; every rank the same figure, the slow rank its factor on top)
+        slowest = torch.tensor([comm["all_to_all_s"]])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        base = slowest.item() / (spec["emulate"]["comm_over_compute"] * spec["micro_batches"])
+        emu.micro_batch_s = base * (spec["slow_factor"] if rank == spec.get("slow_rank", 1) else 1.0)
+    dist.barrier()  # every rank computes alone at the same time, as they will while training
+    alone = compute_alone(model, batches(tokens, spec, rank), spec.get("calibration_repeats", 10), emu=emu)
+    slow.calibrate(statistics.median(alone))  # the slow rank's sleep: fixed for the whole setting
     del model
     t_step = statistics.median(alone) * spec["micro_batches"]
-    say(f"compute alone {t_step:.3f} s/step; round alone {comm['all_to_all_s']:.3f} s")
+    say(f"compute alone {t_step:.3f} s/step{' (emulated)' if emu else ''}; round alone {comm['all_to_all_s']:.3f} s")
     runs = []
     for i, run in enumerate(spec["runs"]):
-        log = train_run(run, spec, tokens, slow, traffic, rank)
+        log = train_run(run, spec, tokens, slow, traffic, rank, emu)
         alone += log["compute_alone_s"]
         runs.append(log)
         ends = log["step_ends"]

@@ -1,0 +1,263 @@
+"""The benchmark with 2, 4 and 8 ranks on a shaped network, GPU-like (emulated) compute, and the planner beside it.
+
+    python -m hf_acco.bench.scaling                                   # the committed run (about 40 min)
+    python -m hf_acco.bench.scaling --world_sizes 2 4 --steps 8 --repeats 1 --check none --out outputs/scaling
+
+Every rank runs in its own network namespace, all joined by a Linux bridge (``link.py``); every rank's link is
+shaped to ``--link_mbit`` each way, at every world size. Compute is emulated (``worker.Emulation``): each
+micro-batch computes the real gradients of a small Llama, then waits so that it takes a stated time with the
+CPU free, as a GPU leaves it; the model carries ``--params`` extra trainable elements, so every method
+communicates and updates the gradients of a model of that size. 8 ranks then fit on 2 CPU cores and the figures
+are about the schedule and the network, not about CPU contention. Every figure of these runs is labelled
+emulated.
+
+The scaling series (``--world_sizes``): the micro-batch time is set, at each world size, so that one round
+measured alone (reduce-scatter + all-gather of the gradients) is ``--ratio`` x a step's compute. Methods: acco
+fixed, acco dynamic, sync (ZeRO-1) and DDP as Trainer runs it, interleaved, ``--repeats`` times each.
+
+Then the planner (``hf_acco/plan.py``): its constants are fitted from these runs (the collectives measured alone
+at every world size; the half overhead from the 2-rank ACCO fixed runs only), and every run gets the planner's
+prediction beside its measured median step time. The check (``--check WORLD_SIZE:RATIO``, a setting the fit
+did not see): the planner recommends a method, accumulation and micro-batches per step (1 to
+``--micro_batches``), and every setting it could have chosen is measured there.
+
+Writes ``benchmark.json`` (``runs``: world_size, method, accumulation, emulated, step_time_s (median),
+predicted_step_time_s, ...), ``constants.json`` (the fit), ``table.md`` and ``step_time_vs_world_size.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from hf_acco import plan
+
+from . import report
+from .__main__ import DEFAULT_TEXT, run_setting
+from .link import Link, unavailable
+
+METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("sync", "fixed"), ("ddp", "fixed")]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hf_acco.bench.scaling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", default="outputs/scaling")
+    p.add_argument("--world_sizes", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--link_mbit", type=float, default=200.0, help="every rank's link, each way")
+    p.add_argument("--params", type=float, default=4e6, help="trainable elements communicated (fp32 gradients)")
+    p.add_argument("--ratio", type=float, default=0.5, help="one round alone over one step's compute")
+    p.add_argument("--micro_batches", type=int, default=4, help="per rank per step")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--check", default="4:1.0", help="WORLD_SIZE:RATIO for the recommendation check, or none")
+    p.add_argument(
+        "--check_micro_batches",
+        type=int,
+        nargs="+",
+        default=[2, 4, 8],
+        help="the micro-batches per step the check's planner chooses from (and that are measured)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout_s", type=int, default=1800, help="per setting")
+    return p.parse_args(argv)
+
+
+def base_spec(args: argparse.Namespace) -> dict[str, Any]:
+    # a small Llama: its real forward and backward take a few ms, well inside the emulated micro-batch
+    return {"seed": args.seed, "hidden": 32, "layers": 4, "heads": 2, "seq": 32, "batch": 2,
+            "micro_batches": args.micro_batches, "lr": 1e-3, "steps": args.steps, "text_path": str(DEFAULT_TEXT),
+            "timeout_s": 600, "slow_factor": 1.0, "model_dtype": "fp32", "calibration_repeats": 6}  # fmt: skip
+
+
+def interleaved(settings: list[tuple[str, str, int]], repeats: int) -> list[dict[str, Any]]:
+    """Runs in rotating order, so that a drift of the machine's speed is spread over every method."""
+    rotated = lambda r: settings[r % len(settings) :] + settings[: r % len(settings)]  # noqa: E731
+    return [{"method": m, "accumulation": a, "k": k, "repeat": r} for r in range(repeats) for m, a, k in rotated(r)]
+
+
+def measure(args, label: str, world_size: int, ratio: float, settings, workdir: Path) -> list[dict[str, Any]]:
+    """One setting on a fresh bridge: every run's median step time and the figures the planner needs."""
+    spec = {**base_spec(args), "runs": interleaved(settings, args.repeats),
+            "emulate": {"params": int(args.params), "comm_over_compute": ratio},
+            "devices": None, "shared_device": False}  # fmt: skip
+    with Link(world_size=world_size, bridge=True) as link:
+        link.shape(args.link_mbit)
+        spec["devices"] = [link.device(r) for r in range(world_size)]
+        print(f"[scaling] {label}: {world_size} ranks, {args.link_mbit:g} Mbit/s each, ratio {ratio:g}", flush=True)
+        logs = run_setting(label, link, spec, workdir, args.timeout_s)
+    comm = {key: max(log["comm"][key] or 0.0 for log in logs) for key in ("all_to_all_s", "all_reduce_s")}
+    numel = logs[0]["comm"]["numel"]
+    out = []
+    for key in dict.fromkeys((r["method"], r["accumulation"], r["k"]) for r in logs[0]["runs"]):
+        idx = [i for i, r in enumerate(logs[0]["runs"]) if (r["method"], r["accumulation"], r["k"]) == key]
+        summaries = [report.summarise_run([log["runs"][i] for log in logs], t_comm=0.0, link_mbit=args.link_mbit,
+                                          window=world_size * 2 * key[2]) for i in idx]  # fmt: skip
+        steps = [s["step_time_s"] for s in summaries]
+        out.append({
+            "setting": label, "world_size": world_size, "method": key[0], "accumulation": key[1],
+            "micro_batches": key[2], "emulated": True, "link_mbit": args.link_mbit, "params": numel,
+            "comm_over_compute": ratio, "t_micro_s": [log["t_micro"] for log in logs],
+            "round_alone_s": comm["all_to_all_s"], "all_reduce_alone_s": comm["all_reduce_s"],
+            "step_time_s": statistics.median(steps), "step_time_s_all": steps,
+            "tokens_per_s": statistics.median(s["tokens_per_s"] for s in summaries),
+            "exposed_comm_s": report.median_or_none([s["exposed_comm_s"] for s in summaries if s["exposed_comm_s"]]),
+            "compute_slowdown": report.median_or_none([s["compute_slowdown"] for s in summaries
+                                                       if s["compute_slowdown"]]),
+        })  # fmt: skip
+    return out
+
+
+def job_and_cluster(run: dict[str, Any]) -> tuple[plan.Job, plan.Cluster]:
+    """The planner's view of a benchmark run: one rank per bridge port (``gpus_per_node`` 1)."""
+    p = run["world_size"]
+    job = plan.Job(params=run["params"], micro_batch_s=run["t_micro_s"], micro_batches=run["micro_batches"],
+                   micro_batch_tokens=1, grad_bytes=4, param_bytes=4)  # fmt: skip
+    return job, plan.Cluster(gpus=p, gpus_per_node=1, intra_gbit=1e9, inter_gbit=run["link_mbit"] / 1000)
+
+
+def fit_constants(runs: list[dict[str, Any]]) -> plan.Constants:
+    """Collectives alone at every world size; the half overhead from the smallest world size's ACCO fixed runs."""
+    points = []
+    for r in {r["setting"]: r for r in runs}.values():
+        for kind, key in (("round", "round_alone_s"), ("all_reduce", "all_reduce_alone_s")):
+            points.append({"kind": kind, "world_size": r["world_size"], "bytes": 4 * r["params"],
+                           "link_mbit": r["link_mbit"], "seconds": r[key]})  # fmt: skip
+    comm_only = plan.fit(points)
+    smallest = min(r["world_size"] for r in runs)
+    acco = []
+    for r in runs:
+        if (r["method"], r["accumulation"], r["world_size"]) == ("acco", "fixed", smallest):
+            job, cluster = job_and_cluster(r)
+            t, k = max(r["t_micro_s"]), r["micro_batches"]
+            round_s = 2 * plan.reduce_scatter(job.params * job.grad_bytes, cluster, comm_only)
+            halves = [k // 2 * t, (k - k // 2) * t]
+            acco.append({"step_time_s": r["step_time_s"], "halves": halves, "round_s": round_s})
+    fitted = plan.fit(points, acco)
+    return replace(fitted, source=f"fitted: python -m hf_acco.bench.scaling ({len(points)} collectives alone, "
+                        f"{len(acco)} ACCO fixed runs at {smallest} ranks)")  # fmt: skip
+
+
+def predict_run(run: dict[str, Any], c: plan.Constants) -> float:
+    job, cluster = job_and_cluster(run)
+    return plan.predict(run["method"], run["accumulation"], job, cluster, c)["step_s"]
+
+
+def check_recommendation(check_runs: list[dict[str, Any]], c: plan.Constants) -> dict[str, Any]:
+    """The planner's choice at the check setting against every setting it could have chosen, measured."""
+    job, cluster = job_and_cluster(check_runs[0])
+    job = replace(job, micro_batches=max(r["micro_batches"] for r in check_runs))
+    choice = plan.recommend(job, cluster, c, ks=sorted({r["micro_batches"] for r in check_runs}))["choice"]
+    key = lambda r: (r["method"], r["accumulation"], r["micro_batches"])  # noqa: E731
+    measured = {key(r): r["tokens_per_s"] for r in check_runs}
+    chosen = measured[key(choice)]
+    best_key = max(measured, key=measured.get)
+    return {"setting": check_runs[0]["setting"], "recommended": list(key(choice)),
+            "recommended_tokens_per_s": chosen, "best": list(best_key), "best_tokens_per_s": measured[best_key],
+            "recommended_over_best": chosen / measured[best_key],
+            "candidates_measured": [[*k, v] for k, v in measured.items()]}  # fmt: skip
+
+
+def table(runs: list[dict[str, Any]], check: dict[str, Any] | None) -> str:
+    lines = ["Emulated compute (GPU-like: real gradients of a small model, then a wait to the stated micro-batch "
+             "time); every rank's link shaped to the same rate; medians over repeats.", "",
+             "| setting | ranks | method | micro-batches | micro-batch (s) | round alone (s) | step (s) | "
+             "predicted (s) | error | / sync |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in runs:
+        sync = next((s for s in runs if s["setting"] == r["setting"] and s["method"] == "sync"
+                     and s["micro_batches"] == r["micro_batches"]), None)  # fmt: skip
+        name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
+        err = r["predicted_step_time_s"] / r["step_time_s"] - 1
+        lines.append(f"| {r['setting']} (emulated) | {r['world_size']} | {name} | {r['micro_batches']} | "
+                     f"{statistics.median(r['t_micro_s']):.3f} | {r['round_alone_s']:.3f} | {r['step_time_s']:.3f} | "
+                     f"{r['predicted_step_time_s']:.3f} | {err:+.0%} | "
+                     f"{r['step_time_s'] / sync['step_time_s']:.2f} |" if sync else "| - |")  # fmt: skip
+    if check:
+        lines += ["", f"Recommendation check at {check['setting']}: the planner chose {check['recommended']} "
+                  f"({check['recommended_tokens_per_s']:.1f} micro-batch-tokens/s measured); the best measured was "
+                  f"{check['best']} ({check['best_tokens_per_s']:.1f}): "
+                  f"{check['recommended_over_best']:.2f} of the best."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [r for r in runs if r["setting"].startswith("scaling")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, key in enumerate(dict.fromkeys((r["method"], r["accumulation"]) for r in series)):
+        rs = sorted((r for r in series if (r["method"], r["accumulation"]) == key), key=lambda r: r["world_size"])
+        name = key[0] + (" dynamic" if key[1] == "dynamic" else "")
+        colour = f"C{i}"
+        ax.plot([r["world_size"] for r in rs], [r["step_time_s"] for r in rs], marker="o", color=colour,
+                label=f"{name} measured")  # fmt: skip
+        ax.plot([r["world_size"] for r in rs], [r["predicted_step_time_s"] for r in rs], linestyle="--",
+                color=colour, label=f"{name} planner")  # fmt: skip
+    ax.set_xlabel("ranks (each on its own shaped link)")
+    ax.set_ylabel("median step time (s)")
+    ax.set_title("EMULATED compute; one round alone = ratio x a step's compute")
+    ax.set_xticks(sorted({r["world_size"] for r in series}))
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    why = unavailable()
+    if why:
+        sys.exit(f"the scaling benchmark needs its shaped network: {why}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    settings = [(m, a, args.micro_batches) for m, a in METHODS]
+    runs: list[dict[str, Any]] = []
+    check_runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="hf_acco_scaling_") as tmp:
+        for p in args.world_sizes:
+            runs += measure(args, f"scaling_ws{p}", p, args.ratio, settings, Path(tmp))
+            print(f"[scaling] {time.time() - started:.0f} s so far", flush=True)
+        if args.check != "none":
+            p, ratio = args.check.split(":")
+            # every setting the planner may choose from: micro-batches per step x the methods (all ranks are
+            # equally fast here, so the planner leaves dynamic out: it can only match fixed)
+            candidates = [(m, a, k) for k in args.check_micro_batches for m, a in METHODS if a == "fixed"]
+            check_runs = measure(args, f"check_ws{p}_ratio{ratio}", int(p), float(ratio), candidates, Path(tmp))
+    constants = fit_constants(runs)
+    for r in runs + check_runs:
+        r["predicted_step_time_s"] = predict_run(r, constants)
+    check = check_recommendation(check_runs, constants) if check_runs else None
+    payload = {
+        "command": "python -m hf_acco.bench.scaling " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "settings": vars(args),
+        "emulated": True,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "constants": asdict(constants),
+        "recommendation_check": check,
+        "runs": runs + check_runs,
+    }
+    (out / "benchmark.json").write_text(json.dumps(payload, indent=1))
+    (out / "constants.json").write_text(json.dumps(asdict(constants), indent=1))
+    (out / "table.md").write_text(table(runs + check_runs, check))
+    plot(runs, out / "step_time_vs_world_size.png")
+    print(table(runs + check_runs, check))
+    print(f"[scaling] done in {time.time() - started:.0f} s; results in {out}", flush=True)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

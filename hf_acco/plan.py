@@ -1,0 +1,383 @@
+"""Will ACCO help on my cluster? An alpha-beta cost model of one optimizer step for DDP, ZeRO-1 and ACCO.
+
+    python -m hf_acco.plan --params 1.3e9 --gpus 32 --gpus_per_node 8 --intra_gbit 900 --inter_gbit 100 \\
+        --micro_batch_s 0.12 --micro_batches 8
+
+prints the predicted step time, tokens/s and exposed communication of DDP (as Trainer runs it), ZeRO-1 and ACCO
+(fixed and dynamic accumulation), the settings it recommends, and the formulas below. Standard library only.
+
+**Collectives** (``B`` bytes, ``p`` ranks, link ``bw`` bytes/s, ``alpha`` s per step of a ring)::
+
+    ring(B, p, bw) = (p - 1) * alpha + (p - 1) / p * B / (efficiency * bw)       # reduce-scatter or all-gather
+    all-reduce = reduce-scatter + all-gather
+
+``efficiency`` is the share of the link rate a collective achieves (framing, protocol, gaps), fitted per kind
+(``round``: ACCO/ZeRO-1's reduce-scatter + all-gather; ``all_reduce``: DDP's). On ``n`` nodes of ``g`` GPUs the
+collectives are hierarchical: a reduce-scatter runs over the ``g`` GPUs of a node on the intra-node link
+(``intra_gbit`` per GPU), then over the ``n`` nodes on ``B / g`` bytes per GPU, the ``g`` rings sharing the
+node's network (``inter_gbit`` per node, so ``inter_gbit / g`` each); an all-gather the other way round::
+
+    RS(B) = ring(B, g, intra) + ring(B / g, n, inter / g)          (= ring(B, p, inter) when g = 1)
+
+**A step** (``k`` micro-batches per rank, each ``t`` s; ``t_max`` the slowest rank's; ``R = RS + AG`` one
+round: the gradients reduce-scattered in the communication dtype, the parameters all-gathered in the model's;
+``AR`` DDP's all-reduce of the gradients, in the model's dtype)::
+
+    DDP        k * t_max + max(AR / buckets, AR - (1 - forward_share) * t_max)    the all-reduce overlaps the last
+                                                                                  backward, bucket by bucket
+    ZeRO-1     k * t_max + R                                                       nothing overlaps
+    ACCO fixed max(h1 * t_max, R) + max(h2 * t_max, R) + 2 * half_overhead        h1 = k // 2, h2 = k - h1; each
+                                                                                  half overlaps one round
+    ACCO dyn.  the same with each half's compute = the time the ranks take to compute its p * k // 2 micro-batches
+               together, each claiming the next one when it is free (simulated; equal to h * t when all ranks
+               are equally fast)
+
+``half_overhead`` (what a half boundary costs the main thread: loading parameters, launching the round) and the
+collectives' ``alpha`` and ``efficiency`` are fitted by :func:`fit` from the benchmark's measurements
+(``python -m hf_acco.bench.scaling``); :data:`FITTED` are the committed ones. Where the model is known to be
+wrong: README, "Will ACCO help on my cluster?".
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+METHODS = (("ddp", "fixed"), ("sync", "fixed"), ("acco", "fixed"), ("acco", "dynamic"))
+NAMES = {("ddp", "fixed"): "DDP (Trainer)", ("sync", "fixed"): "ZeRO-1", ("acco", "fixed"): "ACCO fixed",
+         ("acco", "dynamic"): "ACCO dynamic"}  # fmt: skip
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+NCCL_BUCKET_NUMEL = (1 << 22, 1 << 28)  # the engine's automatic bucket range on NCCL (hf_acco/sharding.py)
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The model's fitted constants (see the module docstring)."""
+
+    alpha_s: float = 50e-6
+    efficiency: dict[str, float] = field(default_factory=lambda: {"round": 0.9, "all_reduce": 0.9})
+    half_overhead_s: float = 0.0
+    forward_share: float = 1 / 3  # the forward's share of a micro-batch (the backward: 2/3)
+    source: str = "defaults"
+
+
+# Fitted by `python -m hf_acco.bench.scaling` (recipes/results/scaling/constants.json): gloo over TCP on the
+# benchmark's shaped bridge, 2 CPU cores, 2/4/8 ranks. On NCCL over InfiniBand alpha is ~10x smaller (use --alpha_us).
+FITTED = Constants()
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    intra_gbit: float  # per GPU, inside a node (NVLink, PCIe)
+    inter_gbit: float  # per node, between nodes (its NICs together)
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+    @property
+    def local(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+
+def ring(nbytes: float, p: int, gbit: float, efficiency: float, alpha_s: float) -> float:
+    """One ring reduce-scatter (or all-gather) of ``nbytes`` over ``p`` ranks on links of ``gbit`` Gbit/s."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * alpha_s + (p - 1) / p * nbytes / (efficiency * gbit * 1e9 / 8)
+
+
+def reduce_scatter(nbytes: float, cluster: Cluster, c: Constants, kind: str = "round") -> float:
+    """Hierarchical reduce-scatter: inside each node, then across nodes on a node's share (an all-gather costs
+    the same)."""
+    eff, g, n = c.efficiency[kind], cluster.local, cluster.nodes
+    inside = ring(nbytes, g, cluster.intra_gbit, eff, c.alpha_s)
+    across = ring(nbytes / g, n, cluster.inter_gbit / g, eff, c.alpha_s)
+    return inside + across
+
+
+def half_compute(times: Sequence[float], micro_batches: int) -> float:
+    """Seconds until ``micro_batches`` micro-batches are done when ranks of these per-micro-batch ``times``
+    each claim the next one as soon as they are free (dynamic accumulation's claims, simulated)."""
+    if micro_batches <= 0:
+        return 0.0
+    free = [(0.0, i) for i in range(len(times))]
+    heapq.heapify(free)
+    end = 0.0
+    for _ in range(micro_batches):
+        t, i = heapq.heappop(free)
+        end = max(end, t + times[i])
+        heapq.heappush(free, (t + times[i], i))
+    return end
+
+
+@dataclass(frozen=True)
+class Job:
+    params: float  # trainable parameters
+    micro_batch_s: Sequence[float]  # per rank (len 1: all ranks alike)
+    micro_batches: int  # per rank per optimizer step (Trainer's gradient_accumulation_steps)
+    micro_batch_tokens: int = 16384
+    grad_bytes: int = 4  # per element of ACCO / ZeRO-1's reduce-scatter: 4 fp32, 2 bf16 (acco_comm_dtype)
+    param_bytes: int = 4  # per element of the all-gather and of DDP's all-reduce: the model's dtype
+
+    def times(self, p: int) -> list[float]:
+        t = list(self.micro_batch_s)
+        return t * p if len(t) == 1 else t
+
+
+def predict(method: str, accumulation: str, job: Job, cluster: Cluster, c: Constants = FITTED) -> dict[str, float]:
+    """Predicted seconds per optimizer step, its compute and exposed communication, and tokens/s."""
+    p, k = cluster.gpus, job.micro_batches
+    times = job.times(p)
+    t_max = max(times)
+    round_s = reduce_scatter(job.params * job.grad_bytes, cluster, c) + reduce_scatter(
+        job.params * job.param_bytes, cluster, c
+    )
+    if method == "ddp":
+        nbytes = job.params * job.param_bytes
+        all_reduce = 2 * reduce_scatter(nbytes, cluster, c, "all_reduce")
+        buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
+        compute = k * t_max
+        exposed = 0.0 if p == 1 else max(all_reduce / buckets, all_reduce - (1 - c.forward_share) * t_max)
+        comm = all_reduce
+    elif method == "sync":
+        compute, comm = k * t_max, round_s
+        exposed = round_s if p > 1 else 0.0
+    elif method == "acco":
+        h1, h2 = k // 2, k - k // 2
+        if accumulation == "dynamic":  # a step's p * k claims: the first half of them, then the rest
+            halves = [half_compute(times, p * k // 2), half_compute(times, p * k - p * k // 2)]
+        elif k == 1:  # one micro-batch split along the batch
+            halves = [t_max / 2, t_max / 2]
+        else:
+            halves = [h1 * t_max, h2 * t_max]
+        compute, comm = sum(halves), 2 * round_s
+        step = sum(max(h, round_s) for h in halves) + 2 * c.half_overhead_s
+        exposed = step - compute
+    else:
+        raise ValueError(f"method must be ddp, sync or acco, got {method!r}")
+    step = compute + exposed
+    tokens = p * k * job.micro_batch_tokens
+    return {"step_s": step, "compute_s": compute, "comm_s": comm, "exposed_s": exposed, "tokens_per_s": tokens / step}
+
+
+def candidates(max_micro_batches: int) -> list[int]:
+    ks, k = [], 1
+    while k < max_micro_batches:
+        ks.append(k)
+        k *= 2
+    return [*ks, max_micro_batches]
+
+
+def recommend(
+    job: Job, cluster: Cluster, c: Constants = FITTED, tolerance: float = 0.05, ks: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """The method, accumulation and micro-batches per step (``ks``; default 1, 2, 4, ... up to
+    ``job.micro_batches``) of the most tokens/s; among settings within ``tolerance`` of it, the one with the
+    fewest micro-batches (a smaller global batch converges better per token), then the first in
+    :data:`METHODS` (DDP, ZeRO-1, ACCO fixed, ACCO dynamic: the simpler first)."""
+    options = []
+    for k in ks or candidates(job.micro_batches):
+        for order, (method, acc) in enumerate(METHODS):
+            if acc == "dynamic" and len(set(job.times(cluster.gpus))) == 1:
+                continue  # all ranks equally fast: dynamic can only match fixed
+            pred = predict(method, acc, replace(job, micro_batches=k), cluster, c)
+            options.append({"method": method, "accumulation": acc, "micro_batches": k, "order": order, **pred})
+    best = max(o["tokens_per_s"] for o in options)
+    close = [o for o in options if o["tokens_per_s"] >= (1 - tolerance) * best]
+    choice = min(close, key=lambda o: (o["micro_batches"], o["order"]))
+    return {"choice": choice, "options": options, "best_tokens_per_s": best}
+
+
+def bucket_numel(job: Job, cluster: Cluster, c: Constants, overhead: float = 0.05) -> int:
+    """Elements per bucket so that a bucket's latency (``(p - 1) alpha``) is at most ``overhead`` of its
+    transfer time on the slowest link, within the engine's NCCL range."""
+    g = cluster.local
+    slowest_gbit = min(cluster.intra_gbit, cluster.inter_gbit / g) if cluster.nodes > 1 else cluster.intra_gbit
+    bytes_needed = c.alpha_s / overhead * c.efficiency["round"] * slowest_gbit * 1e9 / 8 * cluster.gpus
+    low, high = NCCL_BUCKET_NUMEL
+    return int(min(high, max(low, bytes_needed / job.grad_bytes)))
+
+
+def _table(rows: list[tuple[str, dict[str, float]]], ddp_step: float) -> str:
+    out = ["| method | step (s) | / DDP | tokens/s | compute (s) | communication (s) | exposed (s) |",
+           "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, r in rows:
+        out.append(f"| {name} | {r['step_s']:.3f} | {r['step_s'] / ddp_step:.2f} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['compute_s']:.3f} | {r['comm_s']:.3f} | {r['exposed_s']:.3f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def report(job: Job, cluster: Cluster, c: Constants) -> str:
+    """The planner's printout: the table at the stated settings, the recommendation and the formulas."""
+    rows = [(NAMES[m], predict(*m, job, cluster, c)) for m in METHODS]
+    ddp_step = rows[0][1]["step_s"]
+    rec = recommend(job, cluster, c)
+    ch = rec["choice"]
+    lines = [
+        f"Cluster: {cluster.gpus} GPUs, {cluster.nodes} node(s) of {cluster.local}, intra {cluster.intra_gbit:g} "
+        f"Gbit/s per GPU, inter {cluster.inter_gbit:g} Gbit/s per node; model {job.params:.3g} parameters, "
+        f"{job.param_bytes}-byte weights, {job.grad_bytes}-byte gradients on the wire (ACCO, ZeRO-1); "
+        f"{job.micro_batches} micro-batches per rank per step of "
+        f"{', '.join(f'{t:g}' for t in sorted(set(job.micro_batch_s)))} s, {job.micro_batch_tokens} tokens each.",
+        f"Constants: alpha {c.alpha_s * 1e6:.0f} us, efficiency round {c.efficiency['round']:.2f} / all-reduce "
+        f"{c.efficiency['all_reduce']:.2f}, half overhead {c.half_overhead_s * 1e3:.1f} ms ({c.source}).",
+        "",
+        _table(rows, ddp_step),
+        "",
+        f"Recommended: {NAMES[(ch['method'], ch['accumulation'])]} with {ch['micro_batches']} micro-batches per rank "
+        f"per step ({ch['micro_batches'] // 2 or 1} per half for ACCO): {ch['step_s']:.3f} s/step, "
+        f"{ch['tokens_per_s']:,.0f} tokens/s (the best setting up to {job.micro_batches} micro-batches: "
+        f"{rec['best_tokens_per_s']:,.0f}; chosen as the smallest batch within 5 % of it).",
+    ]
+    if ch["method"] in ("acco", "sync"):
+        lines.append(f"  acco_accumulation={ch['accumulation']!r}, gradient_accumulation_steps={ch['micro_batches']}")
+    if ch["method"] != "ddp" and job.grad_bytes == 4:
+        bf16 = replace(job, grad_bytes=2, micro_batches=ch["micro_batches"])
+        gain = 1 - predict(ch["method"], ch["accumulation"], bf16, cluster, c)["step_s"] / ch["step_s"]
+        lines.append(f"  acco_comm_dtype: {'bf16' if gain >= 0.02 else 'fp32'} (bf16 gradients on the wire: "
+                     f"{gain:.0%} shorter step)")  # fmt: skip
+    elif ch["method"] != "ddp":
+        lines.append("  acco_comm_dtype: bf16 (as stated)")
+    lines.append(f"  acco_bucket_numel: {bucket_numel(job, cluster, c):,} (latency under 5 % of a bucket's transfer)")
+    lines += ["", __doc__.split("**Collectives**")[1].split("``half_overhead``")[0].strip()]
+    return "\n".join(lines)
+
+
+def fit(points: Sequence[dict[str, Any]], acco_runs: Sequence[dict[str, Any]] = ()) -> Constants:
+    """Constants from the benchmark's measurements.
+
+    ``points``: collectives measured alone, each ``{"kind": "round"|"all_reduce", "world_size", "bytes",
+    "link_mbit", "seconds"}``, one rank per bridge port (``g = 1``: a round is ``2 * ring(B, p, link)``, an
+    all-reduce the same). ``alpha`` and one ``1 / efficiency`` per kind by least squares on
+    ``seconds = steps * alpha + wire * (1 / efficiency)``, ``steps = 2 (p - 1)``, ``wire = 2 (p - 1) / p * B / bw``.
+    ``acco_runs``: ACCO fixed runs, each ``{"step_time_s", "halves": [h1 * t, h2 * t], "round_s"}``;
+    ``half_overhead`` = the median of ``(step - sum(max(half, round))) / 2`` (never below 0).
+    """
+    kinds = sorted({pt["kind"] for pt in points})
+    rows, ys = [], []
+    for pt in points:
+        p = pt["world_size"]
+        wire = 2 * (p - 1) / p * pt["bytes"] / (pt["link_mbit"] * 1e6 / 8)
+        rows.append([2 * (p - 1)] + [wire if pt["kind"] == kd else 0.0 for kd in kinds])
+        ys.append(pt["seconds"])
+    solution = _least_squares(rows, ys)
+    alpha, inverse = solution[0], solution[1:]
+    if alpha < 0:  # latency below what the fit resolves: refit without it
+        alpha, inverse = 0.0, _least_squares([r[1:] for r in rows], ys)
+    overheads = [(r["step_time_s"] - sum(max(h, r["round_s"]) for h in r["halves"])) / 2 for r in acco_runs]
+    return Constants(alpha_s=alpha, efficiency={kd: 1 / inv for kd, inv in zip(kinds, inverse)},
+                     half_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,
+                     source="fitted")  # fmt: skip
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Solve the normal equations (a handful of unknowns) by Gaussian elimination."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(n)]  # fmt: skip
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(a[i][col]))
+        if abs(a[pivot][col]) < 1e-300:
+            raise ValueError("the measurements cannot separate the constants (too few distinct points)")
+        a[col], a[pivot] = a[pivot], a[col]
+        for i in range(n):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def load_constants(path: str | Path) -> Constants:
+    data = json.loads(Path(path).read_text())
+    return Constants(**{k: v for k, v in data.items() if k in Constants.__dataclass_fields__})
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hf_acco.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--params", type=float, required=True, help="trainable parameters, e.g. 1.3e9")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus_per_node", type=int, default=8)
+    p.add_argument("--intra_gbit", type=float, default=900.0, help="per GPU inside a node (NVLink 4: ~900 x 8)")
+    p.add_argument("--inter_gbit", type=float, default=100.0, help="per node between nodes (all its NICs)")
+    p.add_argument(
+        "--micro_batch_s",
+        type=float,
+        nargs="+",
+        default=None,
+        help="forward + backward of one micro-batch; one value, or one per GPU group with --group_gpus",
+    )
+    p.add_argument(
+        "--group_gpus",
+        type=int,
+        nargs="+",
+        default=None,
+        help="GPUs of each --micro_batch_s (a mixed cluster: --micro_batch_s 0.12 0.2 --group_gpus 16 16)",
+    )
+    p.add_argument("--tokens_per_s", type=float, default=None, help="instead of --micro_batch_s: per GPU")
+    p.add_argument("--micro_batch_tokens", type=int, default=16384, help="tokens of one micro-batch (8 x 2048)")
+    p.add_argument("--micro_batches", type=int, default=8, help="per GPU per step: the most the plan may use")
+    p.add_argument(
+        "--model_dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the weights (all-gathered; DDP all-reduces gradients in it)",
+    )
+    p.add_argument(
+        "--comm_dtype",
+        choices=["bf16", "fp32"],
+        default="fp32",
+        help="ACCO / ZeRO-1's gradients on the wire (acco_comm_dtype; its default fp32)",
+    )
+    p.add_argument("--alpha_us", type=float, default=None, help="override the fitted latency per ring step")
+    p.add_argument("--efficiency", type=float, default=None, help="override the fitted share of the link rate")
+    p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.bench.scaling`")
+    p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    return p.parse_args(argv)
+
+
+def job_from_args(args: argparse.Namespace) -> Job:
+    if (args.micro_batch_s is None) == (args.tokens_per_s is None):
+        sys.exit("state one of --micro_batch_s (seconds per micro-batch) or --tokens_per_s (per GPU)")
+    times = args.micro_batch_s or [args.micro_batch_tokens / args.tokens_per_s]
+    if args.group_gpus is not None:
+        if len(args.group_gpus) != len(times) or sum(args.group_gpus) != args.gpus:
+            sys.exit("--group_gpus needs one count per --micro_batch_s, adding up to --gpus")
+        times = [t for t, n in zip(times, args.group_gpus) for _ in range(n)]
+    elif len(times) > 1:
+        sys.exit("several --micro_batch_s need --group_gpus (how many GPUs have each)")
+    nbytes = {"bf16": 2, "fp32": 4}
+    return Job(params=args.params, micro_batch_s=times, micro_batches=args.micro_batches,
+               micro_batch_tokens=args.micro_batch_tokens, grad_bytes=nbytes[args.comm_dtype],
+               param_bytes=nbytes[args.model_dtype])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    c = load_constants(args.constants) if args.constants else FITTED
+    if args.alpha_us is not None:
+        c = replace(c, alpha_s=args.alpha_us * 1e-6, source=f"{c.source}, alpha stated")
+    if args.efficiency is not None:
+        stated = dict.fromkeys(c.efficiency, args.efficiency)
+        c = replace(c, efficiency=stated, source=f"{c.source}, efficiency stated")
+    cluster = Cluster(args.gpus, args.gpus_per_node, args.intra_gbit, args.inter_gbit)
+    job = job_from_args(args)
+    out = {"constants": asdict(c), "predictions": {f"{m}:{a}": predict(m, a, job, cluster, c) for m, a in METHODS},
+           "recommendation": recommend(job, cluster, c)["choice"]}  # fmt: skip
+    print(json.dumps(out, indent=1) if args.json else report(job, cluster, c))
+    return out
+
+
+if __name__ == "__main__":
+    main()

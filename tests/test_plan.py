@@ -1,0 +1,184 @@
+"""The planner's cost model (hf_acco/plan.py) on numbers worked out by hand, its fit, its recommendation and its
+command; the scaling benchmark's bookkeeping on synthetic runs (the runs themselves: the slow tier)."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from hf_acco import plan
+
+C0 = plan.Constants(alpha_s=0.0, efficiency={"round": 1.0, "all_reduce": 1.0})  # the ideal link
+
+
+def flat(p: int, gbit: float) -> plan.Cluster:
+    """p ranks, each on its own link of ``gbit`` (the benchmark's bridge: one rank per port)."""
+    return plan.Cluster(gpus=p, gpus_per_node=1, intra_gbit=1e9, inter_gbit=gbit)
+
+
+def test_ring_and_hierarchical_collectives():
+    # 4 ranks, 1 GB, 8 Gbit/s = 1 GB/s: (p - 1) / p of the bytes leave each rank: 0.75 s, plus 3 latencies
+    assert plan.ring(1e9, 4, 8.0, 1.0, 0.0) == pytest.approx(0.75)
+    assert plan.ring(1e9, 4, 8.0, 0.5, 0.01) == pytest.approx(3 * 0.01 + 1.5)
+    assert plan.ring(1e9, 1, 8.0, 1.0, 0.01) == 0.0
+    c = replace(C0, alpha_s=1e-3)
+    # one rank per node: the plain ring over all ranks on the inter-node link
+    assert plan.reduce_scatter(1e9, flat(4, 8.0), c) == pytest.approx(plan.ring(1e9, 4, 8.0, 1.0, 1e-3))
+    # one node of 8: the intra-node ring only
+    node = plan.Cluster(gpus=8, gpus_per_node=8, intra_gbit=800.0, inter_gbit=1.0)
+    assert plan.reduce_scatter(1e9, node, c) == pytest.approx(7 * 1e-3 + 7 / 8 * 1e9 / 100e9)
+    # 4 nodes of 8: inside (1 GB over 8 on 800 Gbit/s), then across (1/8 GB per GPU, the node's 80 Gbit/s / 8)
+    cluster = plan.Cluster(gpus=32, gpus_per_node=8, intra_gbit=800.0, inter_gbit=80.0)
+    across = 3 * 1e-3 + 3 / 4 * (1e9 / 8) / (10e9 / 8)
+    assert plan.reduce_scatter(1e9, cluster, c) == pytest.approx(7 * 1e-3 + 7 / 8 * 1e9 / 100e9 + across)
+    assert cluster.nodes == 4 and cluster.local == 8
+
+
+def test_step_times_of_each_method_by_hand():
+    # 2 ranks on 8 Gbit/s links, 1e8 fp32 parameters: a reduce-scatter or all-gather of 400 MB takes 0.2 s
+    cluster, job = flat(2, 8.0), plan.Job(params=1e8, micro_batch_s=[0.1], micro_batches=4, micro_batch_tokens=10)
+    round_s = 0.4
+    sync = plan.predict("sync", "fixed", job, cluster, C0)
+    assert sync["step_s"] == pytest.approx(4 * 0.1 + round_s) and sync["exposed_s"] == pytest.approx(round_s)
+    assert sync["tokens_per_s"] == pytest.approx(2 * 4 * 10 / 0.8)
+    acco = plan.predict("acco", "fixed", job, cluster, C0)  # each half: max(2 x 0.1, 0.4)
+    assert acco["step_s"] == pytest.approx(0.8) and acco["exposed_s"] == pytest.approx(0.4)
+    long = replace(job, micro_batch_s=[0.25])  # each half 0.5 s of compute hides its 0.4 s round
+    assert plan.predict("acco", "fixed", long, cluster, C0)["step_s"] == pytest.approx(1.0)
+    with_overhead = replace(C0, half_overhead_s=0.01)
+    assert plan.predict("acco", "fixed", long, cluster, with_overhead)["step_s"] == pytest.approx(1.02)
+    # DDP: the 0.4 s all-reduce (16 buckets of 25 MiB) overlaps the last backward (2/3 of 0.25 s)
+    ddp = plan.predict("ddp", "fixed", long, cluster, C0)
+    assert ddp["exposed_s"] == pytest.approx(0.4 - 0.25 * 2 / 3)
+    assert ddp["step_s"] == pytest.approx(1.0 + 0.4 - 0.25 * 2 / 3)
+    fast = replace(job, params=1e6)  # a tiny all-reduce: the last bucket's share stays exposed
+    assert plan.predict("ddp", "fixed", fast, cluster, C0)["exposed_s"] == pytest.approx(0.004)
+    # bf16 gradients halve the reduce-scatter, not the all-gather of fp32 weights
+    bf16 = plan.predict("sync", "fixed", replace(job, grad_bytes=2), cluster, C0)
+    assert bf16["comm_s"] == pytest.approx(0.3)
+    # an odd number of micro-batches: 1 + 2; one micro-batch: split in two along the batch
+    odd = plan.predict("acco", "fixed", replace(long, micro_batches=3), cluster, C0)
+    assert odd["step_s"] == pytest.approx(max(0.25, 0.4) + max(0.5, 0.4))
+    one = plan.predict("acco", "fixed", replace(long, micro_batches=1), cluster, C0)
+    assert one["compute_s"] == pytest.approx(0.25) and one["step_s"] == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="method"):
+        plan.predict("zero3", "fixed", job, cluster, C0)
+
+
+def test_dynamic_halves_are_the_claims_simulated():
+    assert plan.half_compute([1.0, 1.0], 4) == pytest.approx(2.0)
+    # rank 0 computes micro-batches 1 and 3 (ends at 2), rank 1 the second (ends at 2)
+    assert plan.half_compute([1.0, 2.0], 3) == pytest.approx(2.0)
+    assert plan.half_compute([1.0, 2.0], 6) == pytest.approx(4.0)  # rank 0: 4, rank 1: 2
+    assert plan.half_compute([1.0], 0) == 0.0
+    # a rank twice as slow: fixed waits for it, dynamic lets the fast rank compute more of the same global batch
+    mixed = plan.Job(params=1e3, micro_batch_s=[0.1, 0.2], micro_batches=4)
+    fixed = plan.predict("acco", "fixed", mixed, flat(2, 8.0), C0)
+    dynamic = plan.predict("acco", "dynamic", mixed, flat(2, 8.0), C0)
+    assert fixed["step_s"] == pytest.approx(0.8) and dynamic["step_s"] == pytest.approx(0.6)
+    same = plan.Job(params=1e3, micro_batch_s=[0.1], micro_batches=4)
+    assert plan.predict("acco", "dynamic", same, flat(4, 8.0), C0)["step_s"] == pytest.approx(
+        plan.predict("acco", "fixed", same, flat(4, 8.0), C0)["step_s"]
+    )
+
+
+def test_fit_recovers_the_constants_that_made_the_measurements():
+    truth = plan.Constants(alpha_s=2e-3, efficiency={"round": 0.8, "all_reduce": 0.6})
+    points = []
+    for p in (2, 4, 8):
+        for nbytes, mbit in ((1.6e7, 200.0), (4e6, 100.0)):
+            cluster = flat(p, mbit / 1000)
+            for kind in ("round", "all_reduce"):
+                seconds = 2 * plan.reduce_scatter(nbytes, cluster, truth, kind)
+                points.append({"kind": kind, "world_size": p, "bytes": nbytes, "link_mbit": mbit, "seconds": seconds})
+    acco = [{"step_time_s": 1.0 + 2 * 0.015, "halves": [0.5, 0.5], "round_s": 0.3}]
+    got = plan.fit(points, acco)
+    assert got.alpha_s == pytest.approx(2e-3)
+    assert got.efficiency == pytest.approx({"round": 0.8, "all_reduce": 0.6})
+    assert got.half_overhead_s == pytest.approx(0.015) and got.source == "fitted"
+    with pytest.raises(ValueError, match="cannot separate"):
+        plan.fit([{"kind": "round", "world_size": 2, "bytes": 0.0, "link_mbit": 1.0, "seconds": 1.0}])
+
+
+def test_recommendation_follows_the_cost_model():
+    cluster = flat(8, 1.0)
+    # communication negligible: every method is as fast; the smallest batch, the simplest method (DDP)
+    cheap = plan.Job(params=1e3, micro_batch_s=[0.1], micro_batches=8)
+    choice = plan.recommend(cheap, cluster, C0)["choice"]
+    assert (choice["method"], choice["micro_batches"]) == ("ddp", 1)
+    # a round of 2 x 7/8 x 4e7 B at 125 MB/s = 0.56 s: ACCO hides it behind 4 micro-batches of 0.14 s per half
+    heavy = plan.Job(params=1e7, micro_batch_s=[0.14], micro_batches=8)
+    rec = plan.recommend(heavy, cluster, C0)
+    assert (rec["choice"]["method"], rec["choice"]["accumulation"], rec["choice"]["micro_batches"]) == (
+        "acco", "fixed", 8)  # fmt: skip
+    assert rec["choice"]["tokens_per_s"] == rec["best_tokens_per_s"]
+    assert {o["accumulation"] for o in rec["options"]} == {"fixed"}  # equal speeds: dynamic is left out
+    assert [o["micro_batches"] for o in rec["options"][::3]] == [1, 2, 4, 8]
+    assert plan.candidates(6) == [1, 2, 4, 6] and plan.candidates(1) == [1]
+    mixed = replace(heavy, micro_batch_s=[0.14] * 4 + [0.28] * 4)  # half the cluster twice as slow
+    assert plan.recommend(mixed, cluster, C0)["choice"]["accumulation"] == "dynamic"
+
+
+def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tmp_path):
+    argv = ["--params", "1.3e9", "--gpus", "32", "--gpus_per_node", "8", "--inter_gbit", "100",
+            "--micro_batch_s", "0.12", "--micro_batches", "8"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "hf_acco.plan", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for row in ("| DDP (Trainer) |", "| ZeRO-1 |", "| ACCO fixed |", "| ACCO dynamic |", "Recommended:",
+                "acco_comm_dtype", "acco_bucket_numel", "ring(B, p, bw) ="):  # fmt: skip
+        assert row in done.stdout
+    out = plan.main([*argv, "--json"])
+    assert set(out["predictions"]) == {"ddp:fixed", "sync:fixed", "acco:fixed", "acco:dynamic"}
+    constants = tmp_path / "constants.json"
+    constants.write_text(json.dumps({"alpha_s": 1e-3, "efficiency": {"round": 0.5, "all_reduce": 0.5}}))
+    slower = plan.main([*argv, "--json", "--constants", str(constants)])
+    assert slower["predictions"]["sync:fixed"]["comm_s"] > out["predictions"]["sync:fixed"]["comm_s"]
+    stated = plan.main([*argv, "--json", "--alpha_us", "1000", "--efficiency", "0.5"])
+    assert stated["predictions"]["sync:fixed"]["comm_s"] == pytest.approx(
+        slower["predictions"]["sync:fixed"]["comm_s"]
+    )
+    mixed = plan.main([*argv[:-4], "--micro_batch_s", "0.12", "0.2", "--group_gpus", "16", "16", "--json"])
+    assert mixed["predictions"]["acco:dynamic"]["step_s"] < mixed["predictions"]["acco:fixed"]["step_s"]
+    for bad, why in ((["--micro_batch_s", "0.1", "0.2"], "--group_gpus"), ([], "--micro_batch_s"),
+                     (["--micro_batch_s", "0.1", "--group_gpus", "3"], "adding up")):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "hf_acco.plan", *argv[:6], *bad], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode != 0 and why in done.stderr
+
+
+def synthetic_run(world_size, method, step, k=4, acc="fixed", setting=None, tokens_per_s=None):
+    return {"setting": setting or f"scaling_ws{world_size}", "world_size": world_size, "method": method,
+            "accumulation": acc, "micro_batches": k, "link_mbit": 200.0, "params": 4e6,
+            "t_micro_s": [0.3] * world_size,
+            "round_alone_s": 0.64 * 2 * (world_size - 1) / world_size + 0.01 * (world_size - 1),
+            "all_reduce_alone_s": 0.7 * 2 * (world_size - 1) / world_size + 0.01 * (world_size - 1),
+            "step_time_s": step,
+            "tokens_per_s": tokens_per_s or k / step}  # fmt: skip
+
+
+def test_the_scaling_benchmark_fits_predicts_and_checks_the_recommendation():
+    from hf_acco.bench import scaling
+
+    # rounds alone made with alpha 5 ms and efficiency 1 (16 MB at 25 MB/s: 0.64 s for 2 x (p-1)/p of it)
+    runs = [synthetic_run(p, m, 1.34 if p == 2 else 1.3) for p in (2, 4, 8) for m in ("acco", "sync", "ddp")]
+    c = scaling.fit_constants(runs)
+    assert c.alpha_s == pytest.approx(0.005) and c.efficiency["round"] == pytest.approx(1.0)
+    assert c.efficiency["all_reduce"] == pytest.approx(0.64 / 0.7)
+    # the half overhead from the 2-rank ACCO run only: each half max(2 x 0.3 s, round 0.65 s), 1.34 s measured
+    assert c.half_overhead_s == pytest.approx((1.34 - 2 * 0.65) / 2)
+    assert "2 ranks" in c.source
+    sync8 = next(r for r in runs if (r["world_size"], r["method"]) == (8, "sync"))
+    assert scaling.predict_run(sync8, c) == pytest.approx(4 * 0.3 + sync8["round_alone_s"])
+    # the check: the planner's choice against every candidate measured (tokens/s)
+    check = [synthetic_run(4, m, 1.0, k=k, setting="check", tokens_per_s=t)
+             for (m, k), t in {("ddp", 2): 1.0, ("sync", 2): 0.9, ("acco", 2): 1.2, ("ddp", 4): 1.5,
+                               ("sync", 4): 1.3, ("acco", 4): 2.0}.items()]  # fmt: skip
+    out = scaling.check_recommendation(check, c)
+    assert out["recommended"] == ["acco", "fixed", 4] and out["best"] == ["acco", "fixed", 4]
+    assert out["recommended_over_best"] == 1.0 and len(out["candidates_measured"]) == 6
+    for r in runs + check:
+        r["predicted_step_time_s"] = scaling.predict_run(r, c)
+    table = scaling.table(runs + check, out)
+    assert table.count("(emulated)") == 15 and "Recommendation check at check" in table
