@@ -23,19 +23,22 @@ node's network (``inter_gbit`` per node, so ``inter_gbit / g`` each); an all-gat
 round: the gradients reduce-scattered in the communication dtype, the parameters all-gathered in the model's;
 ``AR`` DDP's all-reduce of the gradients, in the model's dtype)::
 
-    DDP        k * t_max + max(AR / buckets, AR - (1 - forward_share) * t_max)    the all-reduce overlaps the last
-                                                                                  backward, bucket by bucket
-    ZeRO-1     k * t_max + R                                                       nothing overlaps
-    ACCO fixed max(h1 * t_max, R) + max(h2 * t_max, R) + 2 * half_overhead        h1 = k // 2, h2 = k - h1; each
-                                                                                  half overlaps one round
-    ACCO dyn.  the same with each half's compute = the time the ranks take to compute its p * k // 2 micro-batches
-               together, each claiming the next one when it is free (simulated; equal to h * t when all ranks
-               are equally fast)
+    DDP        k * t_max + exposed(AR)                     + overhead[ddp]     DDP's buckets (1 MiB, then 25 MiB,
+                                                                               parameters spread evenly over the
+               backward) become ready during the last backward ((1 - forward_share) * t_max) and are all-reduced
+               one after another: exposed = when the last one ends - when the backward ends (simulated)
+    ZeRO-1     k * t_max + R                               + overhead[sync]    nothing overlaps
+    ACCO fixed max(h1 * t_max, R) + max(h2 * t_max, R)     + overhead[acco]    h1 = k // 2, h2 = k - h1: each half
+                                                                               overlaps one round
+    ACCO dyn.  max(claims(p * k), 2 * R)                   + overhead[acco]    claims(n): the time the ranks take
+               to compute n micro-batches together, each claiming the next one as soon as it is free (simulated;
+               k * t when all ranks are equally fast): a fast rank goes on into the next half while a slow one
+               finishes its last micro-batch
 
-``half_overhead`` (what a half boundary costs the main thread: loading parameters, launching the round) and the
-collectives' ``alpha`` and ``efficiency`` are fitted by :func:`fit` from the benchmark's measurements
-(``python -m hf_acco.bench.scaling``); :data:`FITTED` are the committed ones. Where the model is known to be
-wrong: README, "Will ACCO help on my cluster?".
+``overhead`` is what a step costs beyond its compute and its collectives alone (the optimizer update, a round's
+two small all-reduces, loading parameters, Python). It and the collectives' ``alpha`` and ``efficiency`` are
+fitted by :func:`fit` from the benchmark's measurements (``python -m hf_acco.bench.scaling``); :data:`FITTED`
+are the committed ones. Where the model is known to be wrong: README, "Will ACCO help on my cluster?".
 """
 
 from __future__ import annotations
@@ -54,24 +57,34 @@ from typing import Any
 METHODS = (("ddp", "fixed"), ("sync", "fixed"), ("acco", "fixed"), ("acco", "dynamic"))
 NAMES = {("ddp", "fixed"): "DDP (Trainer)", ("sync", "fixed"): "ZeRO-1", ("acco", "fixed"): "ACCO fixed",
          ("acco", "dynamic"): "ACCO dynamic"}  # fmt: skip
-DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 2**20, 25 * 2**20  # DDP's defaults (bucket_cap_mb 25)
 NCCL_BUCKET_NUMEL = (1 << 22, 1 << 28)  # the engine's automatic bucket range on NCCL (hf_acco/sharding.py)
+# NCCL's latency per ring step on NVLink / InfiniBand is some microseconds (nccl-tests' small-message times);
+# the benchmark cannot measure it (gloo over TCP here: its fitted alpha is milliseconds), so it is stated
+NCCL_ALPHA_US = 20.0
 
 
 @dataclass(frozen=True)
 class Constants:
     """The model's fitted constants (see the module docstring)."""
 
-    alpha_s: float = 50e-6
+    alpha_s: dict[str, float] = field(default_factory=lambda: {"round": 50e-6, "all_reduce": 50e-6})
     efficiency: dict[str, float] = field(default_factory=lambda: {"round": 0.9, "all_reduce": 0.9})
-    half_overhead_s: float = 0.0
+    overhead_s: dict[str, float] = field(default_factory=lambda: {"ddp": 0.0, "sync": 0.0, "acco": 0.0})
     forward_share: float = 1 / 3  # the forward's share of a micro-batch (the backward: 2/3)
     source: str = "defaults"
 
 
-# Fitted by `python -m hf_acco.bench.scaling` (recipes/results/scaling/constants.json): gloo over TCP on the
-# benchmark's shaped bridge, 2 CPU cores, 2/4/8 ranks. On NCCL over InfiniBand alpha is ~10x smaller (use --alpha_us).
-FITTED = Constants()
+# Fitted by `python -m hf_acco.bench.scaling` (recipes/results/scaling/constants.json, rounded): gloo over TCP on the
+# benchmark's bridge, every rank's link shaped to 200 Mbit/s, 2/4/8 ranks, emulated compute, 2 CPU cores. The
+# round's alpha is gloo's all-to-all spelling over 16 buckets (NCCL over InfiniBand: tens of us; --alpha_us), the
+# overheads are CPU figures (README, "Will ACCO help on my cluster?": where the model is known to be wrong).
+FITTED = Constants(
+    alpha_s={"round": 1.16e-02, "all_reduce": 2.99e-05},
+    efficiency={"round": 0.984, "all_reduce": 0.985},
+    overhead_s={"ddp": 0.000, "sync": 0.031, "acco": 0.081},
+    source="fitted on the benchmark (recipes/results/scaling/constants.json)",
+)
 
 
 @dataclass(frozen=True)
@@ -100,10 +113,24 @@ def ring(nbytes: float, p: int, gbit: float, efficiency: float, alpha_s: float) 
 def reduce_scatter(nbytes: float, cluster: Cluster, c: Constants, kind: str = "round") -> float:
     """Hierarchical reduce-scatter: inside each node, then across nodes on a node's share (an all-gather costs
     the same)."""
-    eff, g, n = c.efficiency[kind], cluster.local, cluster.nodes
-    inside = ring(nbytes, g, cluster.intra_gbit, eff, c.alpha_s)
-    across = ring(nbytes / g, n, cluster.inter_gbit / g, eff, c.alpha_s)
+    eff, alpha, g, n = c.efficiency[kind], c.alpha_s[kind], cluster.local, cluster.nodes
+    inside = ring(nbytes, g, cluster.intra_gbit, eff, alpha)
+    across = ring(nbytes / g, n, cluster.inter_gbit / g, eff, alpha)
     return inside + across
+
+
+def ddp_exposed(nbytes: float, backward_s: float, cluster: Cluster, c: Constants) -> float:
+    """Seconds DDP's all-reduce runs past the end of the last backward: its buckets, in backward order, are ready
+    as the backward reaches their share of the parameters, and are all-reduced one after another."""
+    sizes = [min(DDP_FIRST_BUCKET_BYTES, nbytes)]
+    while sum(sizes) < nbytes:
+        sizes.append(min(DDP_BUCKET_BYTES, nbytes - sum(sizes)))
+    done = finish = 0.0
+    for size in sizes:
+        done += size
+        ready = backward_s * done / nbytes
+        finish = max(finish, ready) + 2 * reduce_scatter(size, cluster, c, "all_reduce")
+    return max(0.0, finish - backward_s)
 
 
 def half_compute(times: Sequence[float], micro_batches: int) -> float:
@@ -145,27 +172,23 @@ def predict(method: str, accumulation: str, job: Job, cluster: Cluster, c: Const
     )
     if method == "ddp":
         nbytes = job.params * job.param_bytes
-        all_reduce = 2 * reduce_scatter(nbytes, cluster, c, "all_reduce")
-        buckets = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
-        compute = k * t_max
-        exposed = 0.0 if p == 1 else max(all_reduce / buckets, all_reduce - (1 - c.forward_share) * t_max)
-        comm = all_reduce
+        compute, comm = k * t_max, 2 * reduce_scatter(nbytes, cluster, c, "all_reduce")
+        exposed = 0.0 if p == 1 else ddp_exposed(nbytes, (1 - c.forward_share) * t_max, cluster, c)
     elif method == "sync":
         compute, comm = k * t_max, round_s
         exposed = round_s if p > 1 else 0.0
     elif method == "acco":
-        h1, h2 = k // 2, k - k // 2
-        if accumulation == "dynamic":  # a step's p * k claims: the first half of them, then the rest
-            halves = [half_compute(times, p * k // 2), half_compute(times, p * k - p * k // 2)]
-        elif k == 1:  # one micro-batch split along the batch
-            halves = [t_max / 2, t_max / 2]
-        else:
-            halves = [h1 * t_max, h2 * t_max]
-        compute, comm = sum(halves), 2 * round_s
-        step = sum(max(h, round_s) for h in halves) + 2 * c.half_overhead_s
-        exposed = step - compute
+        comm = 2 * round_s
+        if accumulation == "dynamic":  # the step's p * k claims, computed by the ranks together
+            compute = half_compute(times, p * k)
+            exposed = max(compute, comm) - compute
+        else:  # one micro-batch is split along the batch (two halves of t / 2)
+            halves = [t_max / 2, t_max / 2] if k == 1 else [k // 2 * t_max, (k - k // 2) * t_max]
+            compute = sum(halves)
+            exposed = sum(max(h, round_s) for h in halves) - compute
     else:
         raise ValueError(f"method must be ddp, sync or acco, got {method!r}")
+    exposed += c.overhead_s.get(method, 0.0)
     step = compute + exposed
     tokens = p * k * job.micro_batch_tokens
     return {"step_s": step, "compute_s": compute, "comm_s": comm, "exposed_s": exposed, "tokens_per_s": tokens / step}
@@ -180,22 +203,33 @@ def candidates(max_micro_batches: int) -> list[int]:
 
 
 def recommend(
-    job: Job, cluster: Cluster, c: Constants = FITTED, tolerance: float = 0.05, ks: Sequence[int] | None = None
+    job: Job,
+    cluster: Cluster,
+    c: Constants = FITTED,
+    tolerance: float = 0.05,
+    ks: Sequence[int] | None = None,
+    methods: Sequence[tuple[str, str]] = METHODS,
+    grad_bytes: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """The method, accumulation and micro-batches per step (``ks``; default 1, 2, 4, ... up to
-    ``job.micro_batches``) of the most tokens/s; among settings within ``tolerance`` of it, the one with the
-    fewest micro-batches (a smaller global batch converges better per token), then the first in
-    :data:`METHODS` (DDP, ZeRO-1, ACCO fixed, ACCO dynamic: the simpler first)."""
+    """The method, accumulation, micro-batches per step (``ks``; default 1, 2, 4, ... up to
+    ``job.micro_batches``) and gradient dtype on the wire for ACCO / ZeRO-1 (``grad_bytes``; default the stated
+    one, and bf16 too when fp32 is stated) of the most tokens/s; among settings within ``tolerance`` of it, the
+    one with the fewest micro-batches (a smaller global batch converges better per token), then the first in
+    :data:`METHODS` (DDP, ZeRO-1, ACCO fixed, ACCO dynamic: the simpler first), then fp32 on the wire (exact)."""
     options = []
+    times = job.times(cluster.gpus)
+    wires = grad_bytes or ((4, 2) if job.grad_bytes == 4 else (job.grad_bytes,))
     for k in ks or candidates(job.micro_batches):
-        for order, (method, acc) in enumerate(METHODS):
-            if acc == "dynamic" and len(set(job.times(cluster.gpus))) == 1:
-                continue  # all ranks equally fast: dynamic can only match fixed
-            pred = predict(method, acc, replace(job, micro_batches=k), cluster, c)
-            options.append({"method": method, "accumulation": acc, "micro_batches": k, "order": order, **pred})
+        for order, (method, acc) in enumerate(methods):
+            if acc == "dynamic" and max(times) <= 1.05 * min(times):
+                continue  # all ranks about equally fast: dynamic can only match fixed
+            for wire in wires if method != "ddp" else (job.grad_bytes,):  # DDP: the model's dtype
+                pred = predict(method, acc, replace(job, micro_batches=k, grad_bytes=wire), cluster, c)
+                options.append({"method": method, "accumulation": acc, "micro_batches": k, "grad_bytes": wire,
+                                "order": order, **pred})  # fmt: skip
     best = max(o["tokens_per_s"] for o in options)
     close = [o for o in options if o["tokens_per_s"] >= (1 - tolerance) * best]
-    choice = min(close, key=lambda o: (o["micro_batches"], o["order"]))
+    choice = min(close, key=lambda o: (o["micro_batches"], o["order"], -o["grad_bytes"]))
     return {"choice": choice, "options": options, "best_tokens_per_s": best}
 
 
@@ -204,7 +238,7 @@ def bucket_numel(job: Job, cluster: Cluster, c: Constants, overhead: float = 0.0
     transfer time on the slowest link, within the engine's NCCL range."""
     g = cluster.local
     slowest_gbit = min(cluster.intra_gbit, cluster.inter_gbit / g) if cluster.nodes > 1 else cluster.intra_gbit
-    bytes_needed = c.alpha_s / overhead * c.efficiency["round"] * slowest_gbit * 1e9 / 8 * cluster.gpus
+    bytes_needed = c.alpha_s["round"] / overhead * c.efficiency["round"] * slowest_gbit * 1e9 / 8 * cluster.gpus
     low, high = NCCL_BUCKET_NUMEL
     return int(min(high, max(low, bytes_needed / job.grad_bytes)))
 
@@ -218,11 +252,11 @@ def _table(rows: list[tuple[str, dict[str, float]]], ddp_step: float) -> str:
     return "\n".join(out)
 
 
-def report(job: Job, cluster: Cluster, c: Constants) -> str:
+def report(job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05) -> str:
     """The planner's printout: the table at the stated settings, the recommendation and the formulas."""
     rows = [(NAMES[m], predict(*m, job, cluster, c)) for m in METHODS]
     ddp_step = rows[0][1]["step_s"]
-    rec = recommend(job, cluster, c)
+    rec = recommend(job, cluster, c, tolerance)
     ch = rec["choice"]
     lines = [
         f"Cluster: {cluster.gpus} GPUs, {cluster.nodes} node(s) of {cluster.local}, intra {cluster.intra_gbit:g} "
@@ -230,55 +264,68 @@ def report(job: Job, cluster: Cluster, c: Constants) -> str:
         f"{job.param_bytes}-byte weights, {job.grad_bytes}-byte gradients on the wire (ACCO, ZeRO-1); "
         f"{job.micro_batches} micro-batches per rank per step of "
         f"{', '.join(f'{t:g}' for t in sorted(set(job.micro_batch_s)))} s, {job.micro_batch_tokens} tokens each.",
-        f"Constants: alpha {c.alpha_s * 1e6:.0f} us, efficiency round {c.efficiency['round']:.2f} / all-reduce "
-        f"{c.efficiency['all_reduce']:.2f}, half overhead {c.half_overhead_s * 1e3:.1f} ms ({c.source}).",
+        f"Constants (round / all-reduce): alpha {c.alpha_s['round'] * 1e6:.0f} / {c.alpha_s['all_reduce'] * 1e6:.0f}"
+        f" us, efficiency {c.efficiency['round']:.2f} / {c.efficiency['all_reduce']:.2f}; step overhead "
+        + ", ".join(f"{m} {v * 1e3:.0f} ms" for m, v in c.overhead_s.items())
+        + f" ({c.source}).",
         "",
         _table(rows, ddp_step),
         "",
         f"Recommended: {NAMES[(ch['method'], ch['accumulation'])]} with {ch['micro_batches']} micro-batches per rank "
-        f"per step ({ch['micro_batches'] // 2 or 1} per half for ACCO): {ch['step_s']:.3f} s/step, "
+        f"per step: {ch['step_s']:.3f} s/step, "
         f"{ch['tokens_per_s']:,.0f} tokens/s (the best setting up to {job.micro_batches} micro-batches: "
-        f"{rec['best_tokens_per_s']:,.0f}; chosen as the smallest batch within 5 % of it).",
+        f"{rec['best_tokens_per_s']:,.0f}; chosen as the smallest batch within {tolerance:.0%} of it).",
     ]
-    if ch["method"] in ("acco", "sync"):
-        lines.append(f"  acco_accumulation={ch['accumulation']!r}, gradient_accumulation_steps={ch['micro_batches']}")
-    if ch["method"] != "ddp" and job.grad_bytes == 4:
-        bf16 = replace(job, grad_bytes=2, micro_batches=ch["micro_batches"])
-        gain = 1 - predict(ch["method"], ch["accumulation"], bf16, cluster, c)["step_s"] / ch["step_s"]
-        lines.append(f"  acco_comm_dtype: {'bf16' if gain >= 0.02 else 'fp32'} (bf16 gradients on the wire: "
-                     f"{gain:.0%} shorter step)")  # fmt: skip
-    elif ch["method"] != "ddp":
-        lines.append("  acco_comm_dtype: bf16 (as stated)")
-    lines.append(f"  acco_bucket_numel: {bucket_numel(job, cluster, c):,} (latency under 5 % of a bucket's transfer)")
-    lines += ["", __doc__.split("**Collectives**")[1].split("``half_overhead``")[0].strip()]
+    if ch["method"] == "ddp":
+        lines.append(f"  transformers.Trainer, gradient_accumulation_steps={ch['micro_batches']}")
+    else:
+        schedule = "acco" if ch["method"] == "acco" else "sync"
+        lines.append(f"  ACCOTrainer: acco_schedule={schedule!r}, acco_accumulation={ch['accumulation']!r}, "
+                     f"gradient_accumulation_steps={ch['micro_batches']}")  # fmt: skip
+    if ch["method"] != "ddp":
+        wire = {4: "fp32", 2: "bf16"}[ch["grad_bytes"]]
+        lines.append(f"  acco_comm_dtype={wire!r} (gradients on the wire), acco_bucket_numel="
+                     f"{bucket_numel(replace(job, grad_bytes=ch['grad_bytes']), cluster, c)} (latency under 5 % "
+                     "of a bucket's transfer)")  # fmt: skip
+    lines += ["", __doc__.split("**Collectives**")[1].split("``overhead`` is")[0].strip()]
     return "\n".join(lines)
 
 
-def fit(points: Sequence[dict[str, Any]], acco_runs: Sequence[dict[str, Any]] = ()) -> Constants:
+def fit(points: Sequence[dict[str, Any]], observed: Sequence[tuple[str, str, Job, Cluster, float]] = ()) -> Constants:
     """Constants from the benchmark's measurements.
 
     ``points``: collectives measured alone, each ``{"kind": "round"|"all_reduce", "world_size", "bytes",
     "link_mbit", "seconds"}``, one rank per bridge port (``g = 1``: a round is ``2 * ring(B, p, link)``, an
-    all-reduce the same). ``alpha`` and one ``1 / efficiency`` per kind by least squares on
-    ``seconds = steps * alpha + wire * (1 / efficiency)``, ``steps = 2 (p - 1)``, ``wire = 2 (p - 1) / p * B / bw``.
-    ``acco_runs``: ACCO fixed runs, each ``{"step_time_s", "halves": [h1 * t, h2 * t], "round_s"}``;
-    ``half_overhead`` = the median of ``(step - sum(max(half, round))) / 2`` (never below 0).
+    all-reduce the same). Per kind, ``alpha`` and ``1 / efficiency`` by least squares on
+    ``seconds = steps * alpha + wire * (1 / efficiency)``, ``steps = 2 (p - 1)``, ``wire = 2 (p - 1) / p * B / bw``
+    (the round's all-to-all spelling and bucketing cost other latencies than one all-reduce).
+    ``observed``: measured steps ``(method, accumulation, job, cluster, step_time_s)``; a method's ``overhead`` is
+    the median of what its steps took beyond the model's prediction without overhead (never below 0).
     """
-    kinds = sorted({pt["kind"] for pt in points})
-    rows, ys = [], []
-    for pt in points:
-        p = pt["world_size"]
-        wire = 2 * (p - 1) / p * pt["bytes"] / (pt["link_mbit"] * 1e6 / 8)
-        rows.append([2 * (p - 1)] + [wire if pt["kind"] == kd else 0.0 for kd in kinds])
-        ys.append(pt["seconds"])
-    solution = _least_squares(rows, ys)
-    alpha, inverse = solution[0], solution[1:]
-    if alpha < 0:  # latency below what the fit resolves: refit without it
-        alpha, inverse = 0.0, _least_squares([r[1:] for r in rows], ys)
-    overheads = [(r["step_time_s"] - sum(max(h, r["round_s"]) for h in r["halves"])) / 2 for r in acco_runs]
-    return Constants(alpha_s=alpha, efficiency={kd: 1 / inv for kd, inv in zip(kinds, inverse)},
-                     half_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,
-                     source="fitted")  # fmt: skip
+    defaults = Constants()
+    alphas, efficiencies = dict(defaults.alpha_s), dict(defaults.efficiency)
+    for kind in sorted({pt["kind"] for pt in points}):
+        rows, ys = [], []
+        for pt in (pt for pt in points if pt["kind"] == kind):
+            p = pt["world_size"]
+            rows.append([2 * (p - 1), 2 * (p - 1) / p * pt["bytes"] / (pt["link_mbit"] * 1e6 / 8)])
+            ys.append(pt["seconds"])
+        alpha, inverse = _least_squares(rows, ys)
+        if alpha < 0:  # latency below what the fit resolves: refit without it
+            alpha, (inverse,) = 0.0, _least_squares([r[1:] for r in rows], ys)
+        if inverse <= 0:
+            raise ValueError(
+                f"the fit of {kind!r} gave a non-positive 1 / efficiency ({inverse:.3g}): the measurements do not "
+                "follow time = latency + bytes / rate; check that the link was shaped and the points are distinct"
+            )
+        alphas[kind], efficiencies[kind] = alpha, 1 / inverse
+    c = Constants(alpha_s=alphas, efficiency=efficiencies, overhead_s=dict.fromkeys(defaults.overhead_s, 0.0),
+                  source="fitted")  # fmt: skip
+    extra: dict[str, list[float]] = {}
+    for method, accumulation, job, cluster, step in observed:
+        extra.setdefault(method, []).append(step - predict(method, accumulation, job, cluster, c)["step_s"])
+    overhead = {m: max(0.0, statistics.median(v)) for m, v in extra.items()}
+    return replace(c, overhead_s={**c.overhead_s, **overhead})
 
 
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -299,8 +346,15 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 
 def load_constants(path: str | Path) -> Constants:
-    data = json.loads(Path(path).read_text())
-    return Constants(**{k: v for k, v in data.items() if k in Constants.__dataclass_fields__})
+    """A constants.json (as the scaling benchmark writes it); a kind it leaves out keeps the default, one alpha
+    (a number) is every kind's."""
+    data = {k: v for k, v in json.loads(Path(path).read_text()).items() if k in Constants.__dataclass_fields__}
+    defaults = Constants()
+    if isinstance(data.get("alpha_s"), (int, float)):
+        data["alpha_s"] = dict.fromkeys(defaults.alpha_s, float(data["alpha_s"]))
+    for key in ("alpha_s", "efficiency", "overhead_s"):
+        data[key] = {**getattr(defaults, key), **data.get(key, {})}
+    return Constants(**data)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -340,7 +394,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="fp32",
         help="ACCO / ZeRO-1's gradients on the wire (acco_comm_dtype; its default fp32)",
     )
-    p.add_argument("--alpha_us", type=float, default=None, help="override the fitted latency per ring step")
+    p.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="nccl: alpha is NCCL_ALPHA_US (stated, not measurable here); gloo: the fitted one",
+    )
+    p.add_argument("--alpha_us", type=float, default=None, help="the latency per ring step (overrides --backend's)")
     p.add_argument("--efficiency", type=float, default=None, help="override the fitted share of the link rate")
     p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.bench.scaling`")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
@@ -366,8 +426,10 @@ def job_from_args(args: argparse.Namespace) -> Job:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     c = load_constants(args.constants) if args.constants else FITTED
+    if args.alpha_us is None and args.backend == "nccl":
+        args.alpha_us = NCCL_ALPHA_US
     if args.alpha_us is not None:
-        c = replace(c, alpha_s=args.alpha_us * 1e-6, source=f"{c.source}, alpha stated")
+        c = replace(c, alpha_s=dict.fromkeys(c.alpha_s, args.alpha_us * 1e-6), source=f"{c.source}, alpha stated")
     if args.efficiency is not None:
         stated = dict.fromkeys(c.efficiency, args.efficiency)
         c = replace(c, efficiency=stated, source=f"{c.source}, efficiency stated")

@@ -10,7 +10,7 @@ import pytest
 
 from hf_acco import plan
 
-C0 = plan.Constants(alpha_s=0.0, efficiency={"round": 1.0, "all_reduce": 1.0})  # the ideal link
+C0 = plan.Constants(alpha_s={"round": 0.0, "all_reduce": 0.0}, efficiency={"round": 1.0, "all_reduce": 1.0})
 
 
 def flat(p: int, gbit: float) -> plan.Cluster:
@@ -23,7 +23,7 @@ def test_ring_and_hierarchical_collectives():
     assert plan.ring(1e9, 4, 8.0, 1.0, 0.0) == pytest.approx(0.75)
     assert plan.ring(1e9, 4, 8.0, 0.5, 0.01) == pytest.approx(3 * 0.01 + 1.5)
     assert plan.ring(1e9, 1, 8.0, 1.0, 0.01) == 0.0
-    c = replace(C0, alpha_s=1e-3)
+    c = replace(C0, alpha_s={"round": 1e-3, "all_reduce": 0.0})
     # one rank per node: the plain ring over all ranks on the inter-node link
     assert plan.reduce_scatter(1e9, flat(4, 8.0), c) == pytest.approx(plan.ring(1e9, 4, 8.0, 1.0, 1e-3))
     # one node of 8: the intra-node ring only
@@ -47,14 +47,16 @@ def test_step_times_of_each_method_by_hand():
     assert acco["step_s"] == pytest.approx(0.8) and acco["exposed_s"] == pytest.approx(0.4)
     long = replace(job, micro_batch_s=[0.25])  # each half 0.5 s of compute hides its 0.4 s round
     assert plan.predict("acco", "fixed", long, cluster, C0)["step_s"] == pytest.approx(1.0)
-    with_overhead = replace(C0, half_overhead_s=0.01)
+    with_overhead = replace(C0, overhead_s={"acco": 0.02})
     assert plan.predict("acco", "fixed", long, cluster, with_overhead)["step_s"] == pytest.approx(1.02)
-    # DDP: the 0.4 s all-reduce (16 buckets of 25 MiB) overlaps the last backward (2/3 of 0.25 s)
-    ddp = plan.predict("ddp", "fixed", long, cluster, C0)
-    assert ddp["exposed_s"] == pytest.approx(0.4 - 0.25 * 2 / 3)
-    assert ddp["step_s"] == pytest.approx(1.0 + 0.4 - 0.25 * 2 / 3)
-    fast = replace(job, params=1e6)  # a tiny all-reduce: the last bucket's share stays exposed
-    assert plan.predict("ddp", "fixed", fast, cluster, C0)["exposed_s"] == pytest.approx(0.004)
+    # DDP: the 0.4 s all-reduce (a 1 MiB bucket, then 25 MiB ones) overlaps the last backward (2/3 of 0.25 s);
+    # the first bucket is done before the second is ready (at 26 MiB of the backward); from then on the link is
+    # slower than the backward makes buckets ready, so it is busy to the end
+    ddp, backward = plan.predict("ddp", "fixed", long, cluster, C0), 0.25 * 2 / 3
+    assert ddp["exposed_s"] == pytest.approx(backward * 26 * 2**20 / 4e8 + (4e8 - 2**20) / 1e9 - backward)
+    assert ddp["step_s"] == pytest.approx(1.0 + ddp["exposed_s"]) and ddp["comm_s"] == pytest.approx(0.4)
+    fast = replace(job, params=1e6)  # a small all-reduce: the first bucket is done in the backward, the rest not
+    assert plan.predict("ddp", "fixed", fast, cluster, C0)["exposed_s"] == pytest.approx((4e6 - 2**20) / 1e9)
     # bf16 gradients halve the reduce-scatter, not the all-gather of fp32 weights
     bf16 = plan.predict("sync", "fixed", replace(job, grad_bytes=2), cluster, C0)
     assert bf16["comm_s"] == pytest.approx(0.3)
@@ -85,7 +87,7 @@ def test_dynamic_halves_are_the_claims_simulated():
 
 
 def test_fit_recovers_the_constants_that_made_the_measurements():
-    truth = plan.Constants(alpha_s=2e-3, efficiency={"round": 0.8, "all_reduce": 0.6})
+    truth = plan.Constants(alpha_s={"round": 2e-3, "all_reduce": 1e-3}, efficiency={"round": 0.8, "all_reduce": 0.6})
     points = []
     for p in (2, 4, 8):
         for nbytes, mbit in ((1.6e7, 200.0), (4e6, 100.0)):
@@ -93,11 +95,19 @@ def test_fit_recovers_the_constants_that_made_the_measurements():
             for kind in ("round", "all_reduce"):
                 seconds = 2 * plan.reduce_scatter(nbytes, cluster, truth, kind)
                 points.append({"kind": kind, "world_size": p, "bytes": nbytes, "link_mbit": mbit, "seconds": seconds})
-    acco = [{"step_time_s": 1.0 + 2 * 0.015, "halves": [0.5, 0.5], "round_s": 0.3}]
-    got = plan.fit(points, acco)
-    assert got.alpha_s == pytest.approx(2e-3)
+    job, cluster = plan.Job(params=1e6, micro_batch_s=[0.25], micro_batches=4), flat(2, 0.2)
+    model = {m: plan.predict(m, "fixed", job, cluster, truth)["step_s"] for m in ("acco", "sync")}
+    # what each method's steps took beyond the model: 30 ms for acco (median of 3), less than nothing for sync
+    observed = [("acco", "fixed", job, cluster, model["acco"] + extra) for extra in (0.01, 0.03, 0.2)]
+    observed.append(("sync", "fixed", job, cluster, model["sync"] - 0.01))
+    got = plan.fit(points, observed)
+    assert got.alpha_s == pytest.approx({"round": 2e-3, "all_reduce": 1e-3})
     assert got.efficiency == pytest.approx({"round": 0.8, "all_reduce": 0.6})
-    assert got.half_overhead_s == pytest.approx(0.015) and got.source == "fitted"
+    assert got.overhead_s == pytest.approx({"acco": 0.03, "sync": 0.0, "ddp": 0.0}) and got.source == "fitted"
+    falling = [{"kind": "round", "world_size": 2, "bytes": b, "link_mbit": 100.0, "seconds": t}
+               for b, t in ((1e6, 2.0), (2e6, 1.0), (3e6, 0.5))]  # fmt: skip
+    with pytest.raises(ValueError, match="non-positive 1 / efficiency"):
+        plan.fit(falling)
     with pytest.raises(ValueError, match="cannot separate"):
         plan.fit([{"kind": "round", "world_size": 2, "bytes": 0.0, "link_mbit": 1.0, "seconds": 1.0}])
 
@@ -115,31 +125,35 @@ def test_recommendation_follows_the_cost_model():
         "acco", "fixed", 8)  # fmt: skip
     assert rec["choice"]["tokens_per_s"] == rec["best_tokens_per_s"]
     assert {o["accumulation"] for o in rec["options"]} == {"fixed"}  # equal speeds: dynamic is left out
-    assert [o["micro_batches"] for o in rec["options"][::3]] == [1, 2, 4, 8]
+    assert [o["micro_batches"] for o in rec["options"] if o["method"] == "ddp"] == [1, 2, 4, 8]
+    assert {o["grad_bytes"] for o in rec["options"] if o["method"] == "acco"} == {4, 2}  # fp32 and bf16 wires
     assert plan.candidates(6) == [1, 2, 4, 6] and plan.candidates(1) == [1]
     mixed = replace(heavy, micro_batch_s=[0.14] * 4 + [0.28] * 4)  # half the cluster twice as slow
     assert plan.recommend(mixed, cluster, C0)["choice"]["accumulation"] == "dynamic"
 
 
 def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tmp_path):
-    argv = ["--params", "1.3e9", "--gpus", "32", "--gpus_per_node", "8", "--inter_gbit", "100",
-            "--micro_batch_s", "0.12", "--micro_batches", "8"]  # fmt: skip
+    argv = ["--params", "1.3e9", "--gpus", "32", "--gpus_per_node", "8", "--inter_gbit", "50",
+            "--micro_batch_s", "0.32", "--micro_batches", "8"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "hf_acco.plan", *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    for row in ("| DDP (Trainer) |", "| ZeRO-1 |", "| ACCO fixed |", "| ACCO dynamic |", "Recommended:",
-                "acco_comm_dtype", "acco_bucket_numel", "ring(B, p, bw) ="):  # fmt: skip
+    for row in ("| DDP (Trainer) |", "| ZeRO-1 |", "| ACCO fixed |", "| ACCO dynamic |", "Recommended: ACCO fixed",
+                "acco_comm_dtype='fp32'", "acco_bucket_numel=", "ring(B, p, bw) =", "alpha 20 / 20 us"):  # fmt: skip
         assert row in done.stdout
     out = plan.main([*argv, "--json"])
     assert set(out["predictions"]) == {"ddp:fixed", "sync:fixed", "acco:fixed", "acco:dynamic"}
     constants = tmp_path / "constants.json"
     constants.write_text(json.dumps({"alpha_s": 1e-3, "efficiency": {"round": 0.5, "all_reduce": 0.5}}))
-    slower = plan.main([*argv, "--json", "--constants", str(constants)])
+    slower = plan.main([*argv, "--json", "--backend", "gloo", "--constants", str(constants)])
     assert slower["predictions"]["sync:fixed"]["comm_s"] > out["predictions"]["sync:fixed"]["comm_s"]
+    gloo = plan.main([*argv, "--json", "--backend", "gloo"])  # the fitted alpha: TCP's milliseconds
+    assert gloo["constants"]["alpha_s"] == plan.FITTED.alpha_s
+    assert out["constants"]["alpha_s"]["round"] == pytest.approx(20e-6)
     stated = plan.main([*argv, "--json", "--alpha_us", "1000", "--efficiency", "0.5"])
     assert stated["predictions"]["sync:fixed"]["comm_s"] == pytest.approx(
         slower["predictions"]["sync:fixed"]["comm_s"]
     )
-    mixed = plan.main([*argv[:-4], "--micro_batch_s", "0.12", "0.2", "--group_gpus", "16", "16", "--json"])
+    mixed = plan.main([*argv[:-4], "--micro_batch_s", "0.32", "0.64", "--group_gpus", "16", "16", "--json"])
     assert mixed["predictions"]["acco:dynamic"]["step_s"] < mixed["predictions"]["acco:fixed"]["step_s"]
     for bad, why in ((["--micro_batch_s", "0.1", "0.2"], "--group_gpus"), ([], "--micro_batch_s"),
                      (["--micro_batch_s", "0.1", "--group_gpus", "3"], "adding up")):  # fmt: skip
@@ -164,10 +178,12 @@ def test_the_scaling_benchmark_fits_predicts_and_checks_the_recommendation():
     # rounds alone made with alpha 5 ms and efficiency 1 (16 MB at 25 MB/s: 0.64 s for 2 x (p-1)/p of it)
     runs = [synthetic_run(p, m, 1.34 if p == 2 else 1.3) for p in (2, 4, 8) for m in ("acco", "sync", "ddp")]
     c = scaling.fit_constants(runs)
-    assert c.alpha_s == pytest.approx(0.005) and c.efficiency["round"] == pytest.approx(1.0)
+    assert c.alpha_s == pytest.approx({"round": 0.005, "all_reduce": 0.005})
+    assert c.efficiency["round"] == pytest.approx(1.0)
     assert c.efficiency["all_reduce"] == pytest.approx(0.64 / 0.7)
-    # the half overhead from the 2-rank ACCO run only: each half max(2 x 0.3 s, round 0.65 s), 1.34 s measured
-    assert c.half_overhead_s == pytest.approx((1.34 - 2 * 0.65) / 2)
+    # the step overheads from the 2-rank runs only: acco's halves max(2 x 0.3 s, round 0.65 s), 1.34 s measured;
+    # sync's 4 x 0.3 + 0.65 s is above its 1.34 s: none
+    assert c.overhead_s["acco"] == pytest.approx(1.34 - 2 * 0.65) and c.overhead_s["sync"] == 0.0
     assert "2 ranks" in c.source
     sync8 = next(r for r in runs if (r["world_size"], r["method"]) == (8, "sync"))
     assert scaling.predict_run(sync8, c) == pytest.approx(4 * 0.3 + sync8["round_alone_s"])

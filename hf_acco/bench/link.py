@@ -21,6 +21,7 @@ only the benchmark's traffic. Only the addresses inside the namespaces it create
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -81,6 +82,7 @@ class Link:
         self.ports = [f"{tag}b{r}" for r in ranks] if self.bridge else []  # the bridge's end of each rank's veth
         self.mbit: float | None = None
         self._up = False
+        self._restore: tuple = (None, None)
 
     # addresses and devices as the ranks see them
     def master_addr(self) -> str:
@@ -110,6 +112,7 @@ class Link:
             raise SystemExit(128 + signum)
 
         signal.signal(signal.SIGTERM, on_term)
+        self._restore = (previous, on_term)
         self._up = True
         try:
             for ns in self.namespaces + ([self.bridge_namespace] if self.bridge else []):
@@ -157,6 +160,11 @@ class Link:
         # deleting a namespace deletes its devices (veth ends, the bridge) and their qdiscs
         for ns in self.namespaces + ([self.bridge_namespace] if self.bridge else []):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        atexit.unregister(self.close)  # a run with several links (one per world size) keeps no stale hooks
+        previous, ours = self._restore
+        if signal.getsignal(signal.SIGTERM) is ours:
+            with contextlib.suppress(ValueError, TypeError):  # not the main thread, or not set from Python
+                signal.signal(signal.SIGTERM, previous)
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the micro-batches per step the check's planner chooses from (and that are measured)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--from_json",
+        default=None,
+        help="measure nothing: refit the planner on this benchmark.json's runs and predict them again",
+    )
     p.add_argument("--timeout_s", type=int, default=1800, help="per setting")
     return p.parse_args(argv)
 
@@ -127,25 +132,19 @@ def job_and_cluster(run: dict[str, Any]) -> tuple[plan.Job, plan.Cluster]:
 
 
 def fit_constants(runs: list[dict[str, Any]]) -> plan.Constants:
-    """Collectives alone at every world size; the half overhead from the smallest world size's ACCO fixed runs."""
+    """The collectives alone at every world size; each method's step overhead from the smallest world size's runs
+    only (the larger ones are predicted, not fitted)."""
     points = []
     for r in {r["setting"]: r for r in runs}.values():
         for kind, key in (("round", "round_alone_s"), ("all_reduce", "all_reduce_alone_s")):
             points.append({"kind": kind, "world_size": r["world_size"], "bytes": 4 * r["params"],
                            "link_mbit": r["link_mbit"], "seconds": r[key]})  # fmt: skip
-    comm_only = plan.fit(points)
     smallest = min(r["world_size"] for r in runs)
-    acco = []
-    for r in runs:
-        if (r["method"], r["accumulation"], r["world_size"]) == ("acco", "fixed", smallest):
-            job, cluster = job_and_cluster(r)
-            t, k = max(r["t_micro_s"]), r["micro_batches"]
-            round_s = 2 * plan.reduce_scatter(job.params * job.grad_bytes, cluster, comm_only)
-            halves = [k // 2 * t, (k - k // 2) * t]
-            acco.append({"step_time_s": r["step_time_s"], "halves": halves, "round_s": round_s})
-    fitted = plan.fit(points, acco)
-    return replace(fitted, source=f"fitted: python -m hf_acco.bench.scaling ({len(points)} collectives alone, "
-                        f"{len(acco)} ACCO fixed runs at {smallest} ranks)")  # fmt: skip
+    observed = [(r["method"], r["accumulation"], *job_and_cluster(r), r["step_time_s"])
+                for r in runs if r["world_size"] == smallest]  # fmt: skip
+    fitted = plan.fit(points, observed)
+    return replace(fitted, source=f"fitted: python -m hf_acco.bench.scaling ({len(points)} collectives alone; "
+                   f"step overheads from the {len(observed)} runs at {smallest} ranks)")  # fmt: skip
 
 
 def predict_run(run: dict[str, Any], c: plan.Constants) -> float:
@@ -157,7 +156,9 @@ def check_recommendation(check_runs: list[dict[str, Any]], c: plan.Constants) ->
     """The planner's choice at the check setting against every setting it could have chosen, measured."""
     job, cluster = job_and_cluster(check_runs[0])
     job = replace(job, micro_batches=max(r["micro_batches"] for r in check_runs))
-    choice = plan.recommend(job, cluster, c, ks=sorted({r["micro_batches"] for r in check_runs}))["choice"]
+    methods = list(dict.fromkeys((r["method"], r["accumulation"]) for r in check_runs))
+    ks = sorted({r["micro_batches"] for r in check_runs})
+    choice = plan.recommend(job, cluster, c, ks=ks, methods=methods, grad_bytes=[4])["choice"]  # all measured fp32
     key = lambda r: (r["method"], r["accumulation"], r["micro_batches"])  # noqa: E731
     measured = {key(r): r["tokens_per_s"] for r in check_runs}
     chosen = measured[key(choice)]
@@ -171,21 +172,22 @@ def check_recommendation(check_runs: list[dict[str, Any]], c: plan.Constants) ->
 def table(runs: list[dict[str, Any]], check: dict[str, Any] | None) -> str:
     lines = ["Emulated compute (GPU-like: real gradients of a small model, then a wait to the stated micro-batch "
              "time); every rank's link shaped to the same rate; medians over repeats.", "",
-             "| setting | ranks | method | micro-batches | micro-batch (s) | round alone (s) | step (s) | "
-             "predicted (s) | error | / sync |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| setting | ranks | method | micro-batches | micro-batch, slowest rank (s) | round alone (s) | "
+             "step (s) | predicted (s) | error | / sync |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in runs:
         sync = next((s for s in runs if s["setting"] == r["setting"] and s["method"] == "sync"
                      and s["micro_batches"] == r["micro_batches"]), None)  # fmt: skip
         name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
         err = r["predicted_step_time_s"] / r["step_time_s"] - 1
+        over_sync = f"{r['step_time_s'] / sync['step_time_s']:.2f}" if sync else "-"
         lines.append(f"| {r['setting']} (emulated) | {r['world_size']} | {name} | {r['micro_batches']} | "
-                     f"{statistics.median(r['t_micro_s']):.3f} | {r['round_alone_s']:.3f} | {r['step_time_s']:.3f} | "
-                     f"{r['predicted_step_time_s']:.3f} | {err:+.0%} | "
-                     f"{r['step_time_s'] / sync['step_time_s']:.2f} |" if sync else "| - |")  # fmt: skip
+                     f"{max(r['t_micro_s']):.3f} | {r['round_alone_s']:.3f} | {r['step_time_s']:.3f} | "
+                     f"{r['predicted_step_time_s']:.3f} | {err:+.0%} | {over_sync} |")  # fmt: skip
     if check:
         lines += ["", f"Recommendation check at {check['setting']}: the planner chose {check['recommended']} "
-                  f"({check['recommended_tokens_per_s']:.1f} micro-batch-tokens/s measured); the best measured was "
-                  f"{check['best']} ({check['best_tokens_per_s']:.1f}): "
+                  f"({check['recommended_tokens_per_s']:.0f} tokens/s measured); the best measured was "
+                  f"{check['best']} ({check['best_tokens_per_s']:.0f}): "
                   f"{check['recommended_over_best']:.2f} of the best."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -208,7 +210,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
                 color=colour, label=f"{name} planner")  # fmt: skip
     ax.set_xlabel("ranks (each on its own shaped link)")
     ax.set_ylabel("median step time (s)")
-    ax.set_title("EMULATED compute; one round alone = ratio x a step's compute")
+    ax.set_title(f"EMULATED compute; one round alone = {series[0]['comm_over_compute']:g} x a step's compute;\n"
+                 f"every rank's link {series[0]['link_mbit']:g} Mbit/s; dashed: the planner", fontsize=10)  # fmt: skip
     ax.set_xticks(sorted({r["world_size"] for r in series}))
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -218,15 +221,21 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    out = Path(args.out)
+    started = time.time()
+    runs: list[dict[str, Any]] = []
+    check_runs: list[dict[str, Any]] = []
+    if args.from_json:
+        measured = json.loads(Path(args.from_json).read_text())
+        runs = [r for r in measured["runs"] if r["setting"].startswith("scaling")]
+        check_runs = [r for r in measured["runs"] if not r["setting"].startswith("scaling")]
+        out.mkdir(parents=True, exist_ok=True)
+        return analyse({k: measured[k] for k in ("command", "settings", "machine")}, runs, check_runs, out)
     why = unavailable()
     if why:
         sys.exit(f"the scaling benchmark needs its shaped network: {why}")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
     settings = [(m, a, args.micro_batches) for m, a in METHODS]
-    runs: list[dict[str, Any]] = []
-    check_runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hf_acco_scaling_") as tmp:
         for p in args.world_sizes:
             runs += measure(args, f"scaling_ws{p}", p, args.ratio, settings, Path(tmp))
@@ -237,15 +246,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # equally fast here, so the planner leaves dynamic out: it can only match fixed)
             candidates = [(m, a, k) for k in args.check_micro_batches for m, a in METHODS if a == "fixed"]
             check_runs = measure(args, f"check_ws{p}_ratio{ratio}", int(p), float(ratio), candidates, Path(tmp))
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    command = "python -m hf_acco.bench.scaling " + shlex.join(sys.argv[1:])
+    payload = analyse({"command": command, "settings": vars(args), "machine": machine}, runs, check_runs, out)
+    print(f"[scaling] done in {time.time() - started:.0f} s; results in {out}", flush=True)
+    return payload
+
+
+def analyse(measured: dict[str, Any], runs: list[dict], check_runs: list[dict], out: Path) -> dict:
+    """Fit the planner on the runs, predict every run, check the recommendation; write the results.
+    ``measured``: the measurement's ``command``, ``settings`` and ``machine`` (kept when refitting from a file)."""
     constants = fit_constants(runs)
     for r in runs + check_runs:
         r["predicted_step_time_s"] = predict_run(r, constants)
     check = check_recommendation(check_runs, constants) if check_runs else None
     payload = {
-        "command": "python -m hf_acco.bench.scaling " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "settings": vars(args),
+        **measured,
+        "analysed_with": "python -m hf_acco.bench.scaling " + shlex.join(sys.argv[1:]),
         "emulated": True,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "constants": asdict(constants),
         "recommendation_check": check,
         "runs": runs + check_runs,
@@ -255,7 +273,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (out / "table.md").write_text(table(runs + check_runs, check))
     plot(runs, out / "step_time_vs_world_size.png")
     print(table(runs + check_runs, check))
-    print(f"[scaling] done in {time.time() - started:.0f} s; results in {out}", flush=True)
     return payload
 
 
