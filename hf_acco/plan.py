@@ -1,7 +1,7 @@
 """Will ACCO help on my cluster? An alpha-beta cost model of one optimizer step for DDP, ZeRO-1 and ACCO.
 
-    python -m hf_acco.plan --params 1.3e9 --gpus 32 --gpus_per_node 8 --intra_gbit 900 --inter_gbit 100 \\
-        --micro_batch_s 0.12 --micro_batches 8
+    python -m hf_acco.plan --params 1.3e9 --gpus 32 --gpus_per_node 8 --intra_gbit 2400 --inter_gbit 100 \\
+        --micro_batch_s 0.32 --micro_batches 8
 
 prints the predicted step time, tokens/s and exposed communication of DDP (as Trainer runs it), ZeRO-1 and ACCO
 (fixed and dynamic accumulation), the settings it recommends, and the formulas below. Standard library only.
@@ -133,7 +133,7 @@ def ddp_exposed(nbytes: float, backward_s: float, cluster: Cluster, c: Constants
     return max(0.0, finish - backward_s)
 
 
-def half_compute(times: Sequence[float], micro_batches: int) -> float:
+def claims_time(times: Sequence[float], micro_batches: int) -> float:
     """Seconds until ``micro_batches`` micro-batches are done when ranks of these per-micro-batch ``times``
     each claim the next one as soon as they are free (dynamic accumulation's claims, simulated)."""
     if micro_batches <= 0:
@@ -159,11 +159,14 @@ class Job:
 
     def times(self, p: int) -> list[float]:
         t = list(self.micro_batch_s)
+        if len(t) not in (1, p):
+            raise ValueError(f"micro_batch_s needs one time or one per GPU ({p}), got {len(t)}")
         return t * p if len(t) == 1 else t
 
 
 def predict(method: str, accumulation: str, job: Job, cluster: Cluster, c: Constants = FITTED) -> dict[str, float]:
-    """Predicted seconds per optimizer step, its compute and exposed communication, and tokens/s."""
+    """Predicted seconds per optimizer step, its compute, its communication (all of it, and what compute does not
+    hide: ``exposed_s``), the method's step overhead, and tokens/s."""
     p, k = cluster.gpus, job.micro_batches
     times = job.times(p)
     t_max = max(times)
@@ -180,7 +183,7 @@ def predict(method: str, accumulation: str, job: Job, cluster: Cluster, c: Const
     elif method == "acco":
         comm = 2 * round_s
         if accumulation == "dynamic":  # the step's p * k claims, computed by the ranks together
-            compute = half_compute(times, p * k)
+            compute = claims_time(times, p * k)
             exposed = max(compute, comm) - compute
         else:  # one micro-batch is split along the batch (two halves of t / 2)
             halves = [t_max / 2, t_max / 2] if k == 1 else [k // 2 * t_max, (k - k // 2) * t_max]
@@ -188,10 +191,11 @@ def predict(method: str, accumulation: str, job: Job, cluster: Cluster, c: Const
             exposed = sum(max(h, round_s) for h in halves) - compute
     else:
         raise ValueError(f"method must be ddp, sync or acco, got {method!r}")
-    exposed += c.overhead_s.get(method, 0.0)
-    step = compute + exposed
+    overhead = c.overhead_s.get(method, 0.0)
+    step = compute + exposed + overhead
     tokens = p * k * job.micro_batch_tokens
-    return {"step_s": step, "compute_s": compute, "comm_s": comm, "exposed_s": exposed, "tokens_per_s": tokens / step}
+    return {"step_s": step, "compute_s": compute, "comm_s": comm, "exposed_s": exposed, "overhead_s": overhead,
+            "tokens_per_s": tokens / step}  # fmt: skip
 
 
 def candidates(max_micro_batches: int) -> list[int]:
@@ -244,11 +248,12 @@ def bucket_numel(job: Job, cluster: Cluster, c: Constants, overhead: float = 0.0
 
 
 def _table(rows: list[tuple[str, dict[str, float]]], ddp_step: float) -> str:
-    out = ["| method | step (s) | / DDP | tokens/s | compute (s) | communication (s) | exposed (s) |",
-           "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = ["| method | step (s) | / DDP | tokens/s | compute (s) | communication (s) | exposed (s) | overhead (s) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, r in rows:
-        out.append(f"| {name} | {r['step_s']:.3f} | {r['step_s'] / ddp_step:.2f} | {r['tokens_per_s']:,.0f} | "
-                   f"{r['compute_s']:.3f} | {r['comm_s']:.3f} | {r['exposed_s']:.3f} |")  # fmt: skip
+        cells = [f"{r['step_s']:.3f}", f"{r['step_s'] / ddp_step:.2f}", f"{r['tokens_per_s']:,.0f}"]
+        cells += [f"{r[key]:.3f}" for key in ("compute_s", "comm_s", "exposed_s", "overhead_s")]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

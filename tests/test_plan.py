@@ -48,7 +48,11 @@ def test_step_times_of_each_method_by_hand():
     long = replace(job, micro_batch_s=[0.25])  # each half 0.5 s of compute hides its 0.4 s round
     assert plan.predict("acco", "fixed", long, cluster, C0)["step_s"] == pytest.approx(1.0)
     with_overhead = replace(C0, overhead_s={"acco": 0.02})
-    assert plan.predict("acco", "fixed", long, cluster, with_overhead)["step_s"] == pytest.approx(1.02)
+    overhead = plan.predict("acco", "fixed", long, cluster, with_overhead)
+    assert overhead["step_s"] == pytest.approx(1.02) and overhead["overhead_s"] == 0.02
+    assert overhead["exposed_s"] == 0.0  # the overhead is not communication
+    with pytest.raises(ValueError, match="one per GPU"):
+        plan.predict("acco", "fixed", replace(job, micro_batch_s=[0.1, 0.2, 0.3]), cluster, C0)
     # DDP: the 0.4 s all-reduce (a 1 MiB bucket, then 25 MiB ones) overlaps the last backward (2/3 of 0.25 s);
     # the first bucket is done before the second is ready (at 26 MiB of the backward); from then on the link is
     # slower than the backward makes buckets ready, so it is busy to the end
@@ -70,11 +74,11 @@ def test_step_times_of_each_method_by_hand():
 
 
 def test_dynamic_halves_are_the_claims_simulated():
-    assert plan.half_compute([1.0, 1.0], 4) == pytest.approx(2.0)
+    assert plan.claims_time([1.0, 1.0], 4) == pytest.approx(2.0)
     # rank 0 computes micro-batches 1 and 3 (ends at 2), rank 1 the second (ends at 2)
-    assert plan.half_compute([1.0, 2.0], 3) == pytest.approx(2.0)
-    assert plan.half_compute([1.0, 2.0], 6) == pytest.approx(4.0)  # rank 0: 4, rank 1: 2
-    assert plan.half_compute([1.0], 0) == 0.0
+    assert plan.claims_time([1.0, 2.0], 3) == pytest.approx(2.0)
+    assert plan.claims_time([1.0, 2.0], 6) == pytest.approx(4.0)  # rank 0: 4, rank 1: 2
+    assert plan.claims_time([1.0], 0) == 0.0
     # a rank twice as slow: fixed waits for it, dynamic lets the fast rank compute more of the same global batch
     mixed = plan.Job(params=1e3, micro_batch_s=[0.1, 0.2], micro_batches=4)
     fixed = plan.predict("acco", "fixed", mixed, flat(2, 8.0), C0)
