@@ -324,11 +324,12 @@ def test_emulated_compute_takes_the_stated_time_and_carries_the_ballast():
 @pytest.mark.slow
 @pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
 def test_the_scaling_benchmark_at_2_and_3_ranks(tmp_path):
-    """The whole scaling command, small: 2 and 3 ranks on a bridge, emulated compute, the planner's fit and its
-    recommendation check (about 4 minutes)."""
+    """The whole scaling command, small: 2 and 3 ranks on a bridge, emulated compute, a slow rank at 3, the
+    planner's fit and its recommendation check (about 3 minutes)."""
     out = tmp_path / "scaling"
     cmd = [sys.executable, "-m", "hf_acco.bench.scaling", "--world_sizes", "2", "3", "--steps", "5", "--repeats", "1",
-           "--params", "1e6", "--check", "3:1.0", "--check_micro_batches", "2", "4", "--out", str(out)]  # fmt: skip
+           "--params", "1e6", "--check", "3:1.0", "--check_micro_batches", "2", "4", "--slow", "3:2",
+           "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     payload = json.loads((out / "benchmark.json").read_text())
@@ -341,6 +342,10 @@ def test_the_scaling_benchmark_at_2_and_3_ranks(tmp_path):
         assert r["emulated"] is True and r["step_time_s"] > 0 and r["predicted_step_time_s"] > 0
         # the emulated micro-batch: a round alone over (ratio x micro-batches), the check's at its own ratio
         assert statistics.median(r["t_micro_s"]) >= 0.9 * r["round_alone_s"] / (r["comm_over_compute"] * 4)
+    slow = {r["accumulation"]: r for r in runs if r["setting"] == "slow_ws3_x2" and r["method"] == "acco"}
+    assert slow["fixed"]["slow_factor"] == 2.0
+    times = slow["fixed"]["t_micro_s"]  # rank 1 emulates a device 2x slower
+    assert times[1] >= 1.8 * times[0] and times[1] >= 1.8 * times[2]
     check = payload["recommendation_check"]
     assert len(check["candidates_measured"]) == 6 and 0 < check["recommended_over_best"] <= 1.0
     assert json.loads((out / "constants.json").read_text())["source"].startswith("fitted")

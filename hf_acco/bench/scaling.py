@@ -15,7 +15,10 @@ The scaling series (``--world_sizes``): the micro-batch time is set, at each wor
 measured alone (reduce-scatter + all-gather of the gradients) is ``--ratio`` x a step's compute. Methods: acco
 fixed, acco dynamic, sync (ZeRO-1) and DDP as Trainer runs it, interleaved, ``--repeats`` times each.
 
-Then the planner (``hf_acco/plan.py``): its constants are fitted from these runs (the collectives measured alone
+The slow setting (``--slow WORLD_SIZE:FACTOR``): rank 1's micro-batch ``FACTOR`` x the others' (the same
+methods; the planner predicts it from the fit, it is not fitted on).
+
+Then the planner (``hf_acco/plan.py``): its constants are fitted from the scaling runs (the collectives measured alone
 at every world size; the half overhead from the 2-rank ACCO fixed runs only), and every run gets the planner's
 prediction beside its measured median step time. The check (``--check WORLD_SIZE:RATIO``, a setting the fit
 did not see): the planner recommends a method, accumulation and micro-batches per step (1 to
@@ -68,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[2, 4, 8],
         help="the micro-batches per step the check's planner chooses from (and that are measured)",
     )
+    p.add_argument(
+        "--slow",
+        default="4:2",
+        help="WORLD_SIZE:FACTOR: a setting with rank 1 FACTOR x slower (at --ratio for the others), "
+        "predicted, not fitted; or none",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--from_json",
@@ -91,9 +100,12 @@ def interleaved(settings: list[tuple[str, str, int]], repeats: int) -> list[dict
     return [{"method": m, "accumulation": a, "k": k, "repeat": r} for r in range(repeats) for m, a, k in rotated(r)]
 
 
-def measure(args, label: str, world_size: int, ratio: float, settings, workdir: Path) -> list[dict[str, Any]]:
-    """One setting on a fresh bridge: every run's median step time and the figures the planner needs."""
-    spec = {**base_spec(args), "runs": interleaved(settings, args.repeats),
+def measure(
+    args, label: str, world_size: int, ratio: float, settings, workdir: Path, slow_factor: float = 1.0
+) -> list[dict[str, Any]]:
+    """One setting on a fresh bridge: every run's median step time and the figures the planner needs. With
+    ``slow_factor`` rank 1's micro-batch takes that many times the others'."""
+    spec = {**base_spec(args), "runs": interleaved(settings, args.repeats), "slow_factor": slow_factor,
             "emulate": {"params": int(args.params), "comm_over_compute": ratio},
             "devices": None, "shared_device": False}  # fmt: skip
     with Link(world_size=world_size, bridge=True) as link:
@@ -112,7 +124,7 @@ def measure(args, label: str, world_size: int, ratio: float, settings, workdir: 
         out.append({
             "setting": label, "world_size": world_size, "method": key[0], "accumulation": key[1],
             "micro_batches": key[2], "emulated": True, "link_mbit": args.link_mbit, "params": numel,
-            "comm_over_compute": ratio, "t_micro_s": [log["t_micro"] for log in logs],
+            "comm_over_compute": ratio, "slow_factor": slow_factor, "t_micro_s": [log["t_micro"] for log in logs],
             "round_alone_s": comm["all_to_all_s"], "all_reduce_alone_s": comm["all_reduce_s"],
             "step_time_s": statistics.median(steps), "step_time_s_all": steps,
             "tokens_per_s": statistics.median(s["tokens_per_s"] for s in summaries),
@@ -223,14 +235,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.out)
     started = time.time()
-    runs: list[dict[str, Any]] = []
-    check_runs: list[dict[str, Any]] = []
+    groups: dict[str, list[dict[str, Any]]] = {"scaling": [], "check": [], "slow": []}  # by the label's first word
     if args.from_json:
         measured = json.loads(Path(args.from_json).read_text())
-        runs = [r for r in measured["runs"] if r["setting"].startswith("scaling")]
-        check_runs = [r for r in measured["runs"] if not r["setting"].startswith("scaling")]
+        for r in measured["runs"]:
+            groups[r["setting"].split("_")[0]].append(r)
         out.mkdir(parents=True, exist_ok=True)
-        return analyse({k: measured[k] for k in ("command", "settings", "machine")}, runs, check_runs, out)
+        return analyse({k: measured[k] for k in ("command", "settings", "machine")}, groups, out)
     why = unavailable()
     if why:
         sys.exit(f"the scaling benchmark needs its shaped network: {why}")
@@ -238,26 +249,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = [(m, a, args.micro_batches) for m, a in METHODS]
     with tempfile.TemporaryDirectory(prefix="hf_acco_scaling_") as tmp:
         for p in args.world_sizes:
-            runs += measure(args, f"scaling_ws{p}", p, args.ratio, settings, Path(tmp))
+            groups["scaling"] += measure(args, f"scaling_ws{p}", p, args.ratio, settings, Path(tmp))
             print(f"[scaling] {time.time() - started:.0f} s so far", flush=True)
+        if args.slow != "none":
+            p, factor = args.slow.split(":")
+            label = f"slow_ws{p}_x{factor}"
+            groups["slow"] = measure(args, label, int(p), args.ratio, settings, Path(tmp), float(factor))
         if args.check != "none":
             p, ratio = args.check.split(":")
             # every setting the planner may choose from: micro-batches per step x the methods (all ranks are
             # equally fast here, so the planner leaves dynamic out: it can only match fixed)
             candidates = [(m, a, k) for k in args.check_micro_batches for m, a in METHODS if a == "fixed"]
-            check_runs = measure(args, f"check_ws{p}_ratio{ratio}", int(p), float(ratio), candidates, Path(tmp))
+            label = f"check_ws{p}_ratio{ratio}"
+            groups["check"] = measure(args, label, int(p), float(ratio), candidates, Path(tmp))
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
-    command = "python -m hf_acco.bench.scaling " + shlex.join(sys.argv[1:])
-    payload = analyse({"command": command, "settings": vars(args), "machine": machine}, runs, check_runs, out)
+    measured = {"command": "python -m hf_acco.bench.scaling " + shlex.join(sys.argv[1:]), "settings": vars(args),
+                "machine": machine}  # fmt: skip
+    # the measurements first: an analysis that fails leaves them for --from_json
+    (out / "benchmark.json").write_text(json.dumps({**measured, "runs": sum(groups.values(), [])}, indent=1))
+    payload = analyse(measured, groups, out)
     print(f"[scaling] done in {time.time() - started:.0f} s; results in {out}", flush=True)
     return payload
 
 
-def analyse(measured: dict[str, Any], runs: list[dict], check_runs: list[dict], out: Path) -> dict:
-    """Fit the planner on the runs, predict every run, check the recommendation; write the results.
+def analyse(measured: dict[str, Any], groups: dict[str, list[dict]], out: Path) -> dict:
+    """Fit the planner on the scaling runs, predict every run, check the recommendation; write the results.
     ``measured``: the measurement's ``command``, ``settings`` and ``machine`` (kept when refitting from a file)."""
+    runs, check_runs = groups["scaling"], groups["check"]
     constants = fit_constants(runs)
-    for r in runs + check_runs:
+    every = runs + groups["slow"] + check_runs
+    for r in every:
         r["predicted_step_time_s"] = predict_run(r, constants)
     check = check_recommendation(check_runs, constants) if check_runs else None
     payload = {
@@ -266,13 +287,13 @@ def analyse(measured: dict[str, Any], runs: list[dict], check_runs: list[dict], 
         "emulated": True,
         "constants": asdict(constants),
         "recommendation_check": check,
-        "runs": runs + check_runs,
+        "runs": every,
     }
     (out / "benchmark.json").write_text(json.dumps(payload, indent=1))
     (out / "constants.json").write_text(json.dumps(asdict(constants), indent=1))
-    (out / "table.md").write_text(table(runs + check_runs, check))
+    (out / "table.md").write_text(table(every, check))
     plot(runs, out / "step_time_vs_world_size.png")
-    print(table(runs + check_runs, check))
+    print(table(every, check))
     return payload
 
 
