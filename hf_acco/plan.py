@@ -123,11 +123,9 @@ def reduce_scatter(nbytes: float, cluster: Cluster, c: Constants, kind: str = "r
 def ddp_exposed(nbytes: float, backward_s: float, cluster: Cluster, c: Constants) -> float:
     """Seconds DDP's all-reduce runs past the end of the last backward: its buckets, in backward order, are ready
     as the backward reaches their share of the parameters, and are all-reduced one after another."""
-    sizes = [min(DDP_FIRST_BUCKET_BYTES, nbytes)]
-    while sum(sizes) < nbytes:
-        sizes.append(min(DDP_BUCKET_BYTES, nbytes - sum(sizes)))
     done = finish = 0.0
-    for size in sizes:
+    while done < nbytes:
+        size = min(DDP_FIRST_BUCKET_BYTES if done == 0 else DDP_BUCKET_BYTES, nbytes - done)
         done += size
         ready = backward_s * done / nbytes
         finish = max(finish, ready) + 2 * reduce_scatter(size, cluster, c, "all_reduce")
