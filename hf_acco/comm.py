@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -59,6 +60,30 @@ def is_peer_failure(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
         return False  # this rank's own, also when NCCL reports it (e.g. setting up the round's communicator)
     return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
+
+
+def round_group_options(backend: str) -> Any:
+    """Options of the round's own process group: on NCCL its stream gets high priority, so that the round's
+    collectives are scheduled ahead of the compute kernels queued beside them (the round is what hides behind
+    compute; a collective held back by a queue of compute kernels holds up every rank)."""
+    if backend != "nccl" or not dist.is_nccl_available():
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
+def warn_if_one_hardware_queue(device: torch.device) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's setting) puts every stream's work in one hardware queue: the
+    round's collectives then run in launch order with Trainer's own, and two ranks that launched them in a
+    different order wait on each other for ever."""
+    if device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        warnings.warn(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1: all CUDA streams share one hardware queue, so ACCO's background round "
+            "cannot overlap compute, and its collectives can deadlock with the main thread's across ranks. Unset it "
+            "(or set it to 8 or more) for ACCO runs.",
+            stacklevel=3,
+        )
 
 
 def check_world_size(expected: int, group: dist.ProcessGroup | None = None) -> None:
@@ -103,24 +128,45 @@ class Communicator:
                 "torch.distributed is not initialised. Launch with `accelerate launch` or `torchrun`, or call "
                 "`torch.distributed.init_process_group` before building the ACCO optimizer."
             )
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        self.group = dist.new_group(ranks=ranks, timeout=timeout)  # collective: same order on every rank
+        self._ranks = dist.get_process_group_ranks(group) if group is not None else None
+        self.timeout = timeout
+        self._make_groups(dist.get_backend(group))
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.timeout = timeout
-        self.backend = dist.get_backend(self.group)
-        # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
-        # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
-        self.host_group = self.group
-        if self.backend != "gloo":
-            self.host_group = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")  # collective, as above
         self.local_copies = self.world_size == 1 and not collectives_at_world_size_1
         if reduce_scatter == "auto":
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
         self.max_inflight = max(1, max_inflight)
         self.in_round = False  # a round of this communicator is running (on the background thread)
+
+    def _make_groups(self, backend: str) -> None:
+        """The round's group (and a gloo host group for the counts when the round's is not gloo). Collective: every
+        rank, in the same order as its other groups."""
+        ranks, timeout = self._ranks, self.timeout
+        self.group = dist.new_group(ranks=ranks, timeout=timeout, pg_options=round_group_options(backend))
+        self.backend = dist.get_backend(self.group)
+        # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
+        # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
+        self.host_group = self.group
+        if self.backend != "gloo":
+            self.host_group = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
         atexit.register(self._destroy_at_exit)
+        self.destroyed = False
+
+    def destroy(self) -> None:
+        """Release the groups (NCCL communicators, gloo sockets): an engine that is closed holds none, so retries
+        and repeated trainers do not pile them up. ``reopen`` makes new ones."""
+        if self.destroyed:
+            return
+        atexit.unregister(self._destroy_at_exit)
+        self._destroy_at_exit()
+        self.destroyed = True
+
+    def reopen(self) -> None:
+        """New groups after ``destroy`` (collective, like the constructor)."""
+        if self.destroyed:
+            self._make_groups(self.backend)
 
     def _destroy_at_exit(self) -> None:
         """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype
-from .comm import Communicator
+from .comm import Communicator, warn_if_one_hardware_queue
 from .halves import DynamicHalves, FixedHalves, PacedHalves, round_ends_soon
 from .inflight import RoundsInFlight
 from .optim import ShardOptimizer, check_elementwise
@@ -155,6 +155,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
             backend=self.comm.backend,
         )  # fmt: skip
         self.device = self._params[0].device
+        warn_if_one_hardware_queue(self.device)
         separate = self.schedule is not Schedule.SYNC
         self.buffers = BufferPair(
             self._params, self.layout, self.device, separate, comm_dtype=wire, grad_dtype=sums, rank=self.comm.rank
@@ -357,6 +358,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         finally:
             self.rounds.shutdown()
             self.buffers.release()
+            self.comm.destroy()  # no process group outlives its engine (NCCL communicators would pile up)
             self._closed = True
 
     @property
@@ -373,6 +375,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         """After ``finalize()`` and ``close()``: train again with the same state (hooks and a thread again)."""
         if not self._closed:
             return
+        self.comm.reopen()  # collective: every rank reopens at the same point (Trainer: in train())
         self.rounds.restart_runner()
         self._restart_step()
         self.buffers.attach()
@@ -389,6 +392,15 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self.synchronize()  # the master shard is final once the commit round in flight has finished
         state = self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams())
         state["stats"] = self.stats.state_dict()
+        # torch's keys too, for tools and callbacks that read them (``param_groups``: the hyper-parameters, each
+        # parameter by its index, as torch numbers them). The per-element state is sharded: it is in
+        # ``optim_state``, so ``state`` is empty. A resume reads neither.
+        state["param_groups"], first = [], 0
+        for group in self.param_groups:
+            indices = list(range(first, first + len(group["params"])))
+            state["param_groups"].append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
+            first += len(indices)
+        state["state"] = {}
         return state
 
     @torch.no_grad()
@@ -417,6 +429,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     def raise_if_any_rank_failed(self, error: Exception | None) -> None:
         """Collective: raise ``error`` here, and an explanation on every other rank, if any rank has one."""
+        self.synchronize()  # the round in flight issues collectives on the same group: it must be over first
         other = "Another rank could not load its ACCO optimizer state (see its error); nothing was loaded."
         self.comm.raise_if_any_failed(error, self.device, other)
 

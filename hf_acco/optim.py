@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.optim.adam import adam as functional_adam
+from torch.optim.optimizer import _get_scalar_dtype
 
 from .sharding import Segment
 
@@ -157,12 +159,24 @@ class ShardOptimizer:
         return dict(self._flat_state), scalars
 
     def load_state_tensors(self, flat: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> None:
-        self.inner.state.clear()
-        self._flat_state = {k: v.to(self.master.device, torch.float32).clone() for k, v in flat.items()}
+        """Restore the state: per-element vectors (as ``state_tensors`` gives them) and scalars such as ``step``.
+
+        Every value is placed by torch's own ``Optimizer.load_state_dict`` (its per-parameter policy: a fused or
+        capturable Adam gets ``step`` as float32 on the parameter's device, the others keep it where it was saved).
+        The per-element vectors are moved to the master shard's device and dtype first, as that policy moves a
+        parameter's floating state, so the segments' state stays views of one vector per key."""
+        self._flat_state = {
+            k: v.to(device=self.master.device, dtype=self.master.dtype, copy=True) for k, v in flat.items()
+        }
+        index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}  # torch's
+        state = {}
         for p, seg in zip(self._seg_params, self.segments):
-            state = {k: v[seg.start : seg.end] for k, v in self._flat_state.items()}
-            state.update({k: v.clone() for k, v in scalars.items()})
-            self.inner.state[p] = state
+            values = {k: v[seg.start : seg.end] for k, v in self._flat_state.items()}
+            values.update({k: v.clone() for k, v in scalars.items()})  # one each: steps are incremented in place
+            state[index[id(p)]] = values
+        self.inner.state.clear()
+        self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})
+        self._consolidate_state()  # re-homes any value the policy had to move (none when it kept the views)
 
     # ---- internals ----------------------------------------------------------------------------------------
 
@@ -189,62 +203,60 @@ class ShardOptimizer:
         return self.inner.state[p][key].data_ptr() == self._flat_state[key][seg.start :].data_ptr()
 
     def _adam_out_of_place_ok(self) -> bool:
-        if not isinstance(self.inner, torch.optim.Adam):
-            return False
-        return not any(
-            g.get("amsgrad") or g.get("maximize") or g.get("capturable") or g.get("differentiable")
-            for g in self.inner.param_groups
-        )
+        return isinstance(self.inner, torch.optim.Adam)  # AdamW too, with every flag (fused, foreach, amsgrad, ...)
 
     @torch.no_grad()
     def _adam_estimate(self, out: torch.Tensor) -> None:
-        """Adam/AdamW's update, the same elementary ops in the same order as torch's, out of place.
+        """Adam/AdamW's update out of place, through torch's own functional ``adam`` with the group's flags (fused,
+        foreach, capturable, amsgrad, maximize, decoupled weight decay) exactly as ``Adam.step`` calls it: the
+        estimate is the committed update's arithmetic, whatever kernel that is, on copies of the moments and step.
 
-        Window by window (``estimate_window`` elements at most, which bounds the temporaries), one foreach call
-        per operation over the window's runs of one parameter group: the number of calls does not grow with the
-        number of parameters."""
+        Window by window (``estimate_window`` elements at most, which bounds the temporaries); the step is never
+        read on the host (a fused or capturable step lives on the device: reading it would be a device sync)."""
         pn = self.piece_numel
         for a, b in self._padding:  # padding takes the committed values
             _piece_range(out, a, b, pn).copy_(self.master[a:b])
         for window in self._windows:
             for g, runs in window.items():
-                group = self.inner.param_groups[g]
-                lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
-                beta1, beta2 = group["betas"]
-                decoupled = group.get("decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW))
-                state = self.inner.state.get(group["params"][0], {})
-                step = float(state["step"]) + 1 if "step" in state else 1.0
-                bias_correction1 = 1 - beta1**step
-                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-                step_size = lr / bias_correction1
-                thetas = [self.master[a:b] for a, b in runs]
-                grads = [_piece_range(self.grad, a, b, pn) for a, b in runs]
-                targets = [_piece_range(out, a, b, pn) for a, b in runs]
-                if "exp_avg" in state:  # copies of the moments (x * 1 is x, bit for bit)
-                    m = torch._foreach_mul([self._flat_state["exp_avg"][a:b] for a, b in runs], 1.0)
-                    v = torch._foreach_mul([self._flat_state["exp_avg_sq"][a:b] for a, b in runs], 1.0)
-                else:
-                    m, v = [torch.zeros_like(t) for t in thetas], [torch.zeros_like(t) for t in thetas]
-                if wd != 0 and not decoupled:
-                    grads = torch._foreach_add(grads, thetas, alpha=wd)
-                torch._foreach_lerp_(m, grads, 1 - beta1)
-                torch._foreach_mul_(v, beta2)
-                torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-                denom = torch._foreach_sqrt(v)
-                torch._foreach_div_(denom, bias_correction2_sqrt)
-                torch._foreach_add_(denom, eps)
-                # the gradient has been read: ``out`` may be written now. Computed in fp32 (in place when ``out``
-                # is fp32), rounded once into a narrower ``out``
-                if targets[0].dtype == thetas[0].dtype:
-                    torch._foreach_copy_(targets, thetas)
-                    o = targets
-                else:
-                    o = torch._foreach_mul(thetas, 1.0)
-                if wd != 0 and decoupled:
-                    torch._foreach_mul_(o, 1 - lr * wd)
-                torch._foreach_addcdiv_(o, m, denom, value=-step_size)
-                if o is not targets:
-                    torch._foreach_copy_(targets, o)
+                self._adam_estimate_runs(self.inner.param_groups[g], runs, out)
+
+    def _adam_estimate_runs(self, group: dict[str, Any], runs: list[tuple[int, int]], out: torch.Tensor) -> None:
+        pn = self.piece_numel
+        state = self.inner.state.get(group["params"][0], {})
+        thetas = [self.master[a:b] for a, b in runs]
+        grads = [_piece_range(self.grad, a, b, pn) for a, b in runs]
+        targets = [_piece_range(out, a, b, pn) for a, b in runs]
+        # the update is computed in fp32 in place of a copy of θ: straight in ``out`` when it is fp32 and does not
+        # hold the gradient (the kernel reads the gradient while it writes θ), else in a temporary rounded once
+        direct = targets[0].dtype == thetas[0].dtype and not overlaps(out, self.grad)
+        params = targets if direct else [torch.empty_like(t) for t in thetas]
+        torch._foreach_copy_(params, thetas)
+
+        def copies(key: str) -> list[torch.Tensor]:  # x * 1 is x, bit for bit
+            if key in state:
+                return list(torch._foreach_mul([self._flat_state[key][a:b] for a, b in runs], 1.0))
+            return [torch.zeros_like(t) for t in thetas]
+
+        exp_avgs, exp_avg_sqs = copies("exp_avg"), copies("exp_avg_sq")
+        max_exp_avg_sqs = copies("max_exp_avg_sq") if group["amsgrad"] else []
+        steps = [state["step"].clone() if "step" in state else _zero_step(group, thetas[0].device) for _ in runs]
+        beta1, beta2 = group["betas"]
+        flags = {key: group[key] for key in _ADAM_FLAGS}
+        functional_adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            has_complex=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            **flags,
+        )
+        if not direct:
+            torch._foreach_copy_(targets, params)
 
     @torch.no_grad()
     def _snapshot_estimate(self, out: torch.Tensor) -> None:
@@ -269,6 +281,31 @@ class ShardOptimizer:
                     cur.copy_(v)
                 else:
                     self.inner.state[p][k] = v
+
+
+_ADAM_FLAGS = ("amsgrad", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused")
+_ADAM_FLAGS += ("decoupled_weight_decay",)
+
+
+def _zero_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """The ``step`` Adam creates for a parameter without state (as ``Adam._init_group``: on the parameter's device
+    when fused or capturable, else on the host)."""
+    on_device = group["fused"] or group["capturable"]
+    dtype = _get_scalar_dtype(is_fused=group["fused"])
+    return torch.zeros((), dtype=dtype, device=device if on_device else "cpu")
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether the memory spans of two tensors intersect."""
+    if b is None:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _chunks(start: int, end: int, piece_numel: int) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .comm import Communicator
-from .optim import ShardOptimizer
+from .optim import ShardOptimizer, overlaps
 from .schedule import RoundKind
 from .sharding import FlatLayout
 
@@ -84,18 +84,7 @@ def narrow_own_pieces(layout: FlatLayout, src: torch.Tensor, flat: torch.Tensor,
     its own source (rank 0's first) goes through a copy."""
     for b in range(layout.num_buckets):
         dest, source = layout.piece(flat, b, rank), src[b]
-        dest.copy_(source.clone() if _overlap(dest, source) else source)
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of two tensors intersect."""
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+        dest.copy_(source.clone() if overlaps(dest, source) else source)
 
 
 def check_nonfinite(nonfinite: str) -> None:

@@ -16,7 +16,11 @@ CASES = [
     (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1}),
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),
     (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.1}),
-    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),  # snapshot path
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),
+    # Trainer's default optim="adamw_torch_fused": the estimate runs the fused kernel the commit runs
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95), "fused": True}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True}),
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1, "maximize": True, "fused": True}),
 ]
 
 
@@ -108,3 +112,38 @@ def test_non_elementwise_optimizers_are_refused(cls) -> None:
     with pytest.raises(ValueError, match="element-wise optimizer"):
         check_elementwise(cls)
     check_elementwise(cls, allow_custom=True)
+
+
+def _placement(state: dict) -> dict:
+    return {k: (v.device, v.dtype) for k, v in state.items() if torch.is_tensor(v)}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_loaded_state_is_placed_as_torchs_own_load_state_dict_places_it(fused: bool) -> None:
+    """A checkpoint's ``step`` as another run saved it (float64: torch's scalar dtype under a float64 default):
+    torch's ``load_state_dict`` gives a fused Adam float32 on the parameter's device, and keeps it otherwise."""
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "fused": fused}
+    saved, hparams = _make(torch.optim.AdamW, kw)
+    saved.grad.view(-1).copy_(torch.randn(100))
+    saved.commit(hparams)
+    flat, scalars = saved.state_tensors()
+    scalars = {k: v.double() for k, v in scalars.items()}
+    loaded, _ = _make(torch.optim.AdamW, kw)
+    loaded.master.copy_(saved.master)
+    loaded.load_state_tensors(flat, scalars)
+    p = torch.nn.Parameter(torch.zeros(3))
+    reference = torch.optim.AdamW([p], **kw)
+    state = {"step": scalars["step"], "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    reference.load_state_dict({"state": {0: state}, "param_groups": reference.state_dict()["param_groups"]})
+    expected = _placement(reference.state[p])
+    for param in loaded._seg_params:
+        assert _placement(loaded.inner.state[param]) == expected
+    steps = [loaded.inner.state[param]["step"] for param in loaded._seg_params]
+    assert len({s.data_ptr() for s in steps}) == len(steps)  # one step tensor each: incremented in place
+    assert all(loaded.inner.state[q]["exp_avg"].data_ptr() == loaded._flat_state["exp_avg"][seg.start :].data_ptr()
+               for q, seg in zip(loaded._seg_params, loaded.segments))  # fmt: skip
+    loaded.grad.view(-1).copy_(torch.randn(100))
+    saved.grad.copy_(loaded.grad)
+    loaded.commit(hparams)  # the fused kernel takes the placed state
+    saved.commit(hparams)
+    assert torch.equal(loaded.master, saved.master)
