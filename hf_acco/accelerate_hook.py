@@ -109,13 +109,16 @@ def prepare_acco(
     optimizer = accelerator.prepare_optimizer(optimizer)  # registers it for save_state / load_state
 
     def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
-        # model files get the committed parameters, not the estimate the model computes with
-        with engine.committed_parameters():
-            for i, m in enumerate(models):
-                if i < len(weights) and m is model:
-                    weights[i] = {
-                        k: v.detach().clone() for k, v in accelerator.get_state_dict(m, unwrap=False).items()
-                    }
+        # The model files get the committed parameters, not the estimate the model computes with: a copy of them on
+        # the host, made by the process that writes them (Accelerate's save(): the main process, or each node's first
+        # with save_on_each_node). The others keep Accelerate's references to the model, which they never write.
+        on_each_node = accelerator.project_configuration.save_on_each_node
+        if accelerator.is_main_process or (on_each_node and accelerator.is_local_main_process):
+            with engine.committed_parameters():
+                for i, m in enumerate(models):
+                    if i < len(weights) and m is model:
+                        state = accelerator.get_state_dict(m, unwrap=False)
+                        weights[i] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         save_optimizer_state(engine, output_dir)
 
     def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:

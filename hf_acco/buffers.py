@@ -34,13 +34,19 @@ from .sharding import FlatLayout
 COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def parse_comm_dtype(value: str | torch.dtype, what: str = "comm_dtype") -> torch.dtype:
-    """``"fp32"`` / ``"bf16"`` (or the torch dtypes) as a torch dtype; anything else is refused."""
+def parse_comm_dtype(
+    value: str | torch.dtype, what: str = "comm_dtype", params: Sequence[torch.Tensor] = ()
+) -> torch.dtype:
+    """``"fp32"`` / ``"bf16"`` (or the torch dtypes) as a torch dtype; ``"auto"``: the model's floating dtype (that of
+    ``params``, fp32 when they differ), as DDP all-reduces a model's gradients in its own dtype and DeepSpeed's
+    ``communication_data_type`` defaults to it. Anything else is refused."""
     if isinstance(value, torch.dtype) and value in COMM_DTYPES.values():
         return value
     if isinstance(value, str) and value in COMM_DTYPES:
         return COMM_DTYPES[value]
-    raise ValueError(f"{what} must be 'fp32' or 'bf16', got {value!r}")
+    if value == "auto" and params:
+        return model_dtype(params)
+    raise ValueError(f"{what} must be 'auto', 'fp32' or 'bf16', got {value!r}")
 
 
 ACCUM_DTYPE = torch.float32  # gradients accumulate in fp32 by default
@@ -127,6 +133,7 @@ class BufferPair:
         self.grad_room = shard_grad_room(self.comm.dtype, comm_dtype, layout.world_size, layout.chunk)
         self.grad_scale = 1.0  # multiplies the gradients of the next backward passes as they are accumulated
         self.hook_calls = 0  # gradients accumulated since the counter was last reset
+        self.evaluating = False  # the engine is in eval mode: no gradient may come in (``accum`` may hold parameters)
         # per-parameter views of each buffer, made once: the two buffers swap roles every step
         self._views_of = {
             id(buf): {id(p): v for p, v in zip(self.params, layout.views(buf))} for buf in (self.accum, self.comm)
@@ -198,6 +205,13 @@ class BufferPair:
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         # Runs when autograd has finished p's gradient for this backward: accumulate it in fp32, free it.
+        if self.evaluating:
+            p.grad = None  # the backward stops here: nothing of it stays behind
+            raise RuntimeError(
+                "A backward pass ran while the ACCO optimizer is in eval mode (the model holds the committed "
+                "parameters, and the accumulation buffer may hold the training ones): call optimizer.train() (or "
+                "leave committed_parameters()) before training."
+            )
         if self.grad_scale == 1.0:
             self.grad_views[id(p)].add_(p.grad)
         else:
@@ -246,6 +260,17 @@ class BufferPair:
         shard = self.layout.shard_of(flat, rank).to(torch.float32)
         flat.zero_()
         return shard
+
+    def model_to_accum(self) -> torch.Tensor:
+        """The model's current parameters, kept in ``accum`` (zero and unused at a step boundary: exact, no narrower
+        than the model's dtype). No gradient may be accumulated until ``release_accum``."""
+        if self.hook_calls:
+            raise AssertionError("accum holds gradients of this step")
+        return self.model_to(self.accum)
+
+    def release_accum(self) -> None:
+        """``accum`` back to gradients: zero again."""
+        self.accum.zero_()
 
     def model_to_host(self) -> torch.Tensor:
         """The model's current parameters, flattened into a new host buffer in their dtype (pinned on a GPU)."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .core import ACCOOptimizer
-from .shard_state import consolidate_state_dicts
+from .shard_state import reshard
 
 _SHARD_RE = re.compile(r"^acco_optimizer_rank(\d+)_of_(\d+)\.pt$")
 
@@ -55,14 +55,18 @@ def save_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike)
 
 
 def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> None:
-    """Load the shards in ``directory`` into ``optimizer`` (collective), re-sharding if the world size changed."""
+    """Load the shards in ``directory`` into ``optimizer`` (collective), re-sharding if the layout changed (another
+    world size, or a checkpoint of an older chunk size): each rank then reads only its own ranges of the files."""
+    layout, rank = optimizer.layout, optimizer.comm.rank
     try:
-        states = _read_shards(Path(directory), optimizer.comm.rank, optimizer.comm.world_size)
+        states = _read_shards(Path(directory), rank, layout.world_size, layout.chunk)
+        meta = states[0]["layout"]
+        same = meta["world_size"] == layout.world_size and meta["chunk"] == layout.chunk
+        state = states[0] if same else reshard(states, layout, rank)
     except (ValueError, FileNotFoundError) as e:
         optimizer.raise_if_any_rank_failed(e)  # every rank raises, none waits in a collective
         raise
-    same_world = states[0]["layout"]["world_size"] == optimizer.comm.world_size
-    optimizer.load_state_dict(states[0] if same_world else consolidate_state_dicts(states))
+    optimizer.load_state_dict(state)
 
 
 def shard_files(directory: str | os.PathLike) -> dict[int, dict[int, Path]]:
@@ -88,8 +92,8 @@ def missing_shards(directory: str | os.PathLike) -> str | None:
     return f"the optimizer shards of ranks {missing} (of {world})" if missing else None
 
 
-def _read_shards(directory: Path, rank: int, world_size: int) -> list[dict[str, Any]]:
-    """This rank's shard (same world size) or every shard (re-sharding)."""
+def _read_shards(directory: Path, rank: int, world_size: int, chunk: int) -> list[dict[str, Any]]:
+    """This rank's shard (same layout) or every shard (re-sharding), memory-mapped: only what is used is read."""
     found = shard_files(directory)
     if not found:
         raise FileNotFoundError(
@@ -105,14 +109,16 @@ def _read_shards(directory: Path, rank: int, world_size: int) -> list[dict[str, 
             f"The checkpoint {directory} lacks the optimizer shards of ranks {missing} (of {saved_world}): it is "
             "incomplete. Resume from an earlier checkpoint."
         )
-    if saved_world == world_size:
-        return [_read(files[rank])]
+    if saved_world == world_size:  # the same ranks: this rank's own file (all of them if the chunk size changed)
+        own = _read(files[rank])
+        if own["layout"]["chunk"] == chunk:
+            return [own]
     return [_read(files[r]) for r in range(saved_world)]
 
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - turned into an actionable message
         raise ValueError(
             f"Could not read the ACCO optimizer shard {path} ({type(e).__name__}: {e}). The file is damaged; "

@@ -87,9 +87,10 @@ class ACCOConfigMixin:
             step everywhere (counted as `acco_skipped_steps`), or `"error"`: stop.
         acco_comm_timeout_s (`float`, *optional*, defaults to 1800):
             Timeout of the round's collectives: a dead peer raises an error after this long instead of hanging.
-        acco_comm_dtype (`str`, *optional*, defaults to `"fp32"`):
-            Gradients on the wire: `"fp32"` or `"bf16"` (half the bytes of the reduce-scatter; each rank's fp32
-            sums rounded once). Parameters are all-gathered in the model's dtype either way.
+        acco_comm_dtype (`str`, *optional*, defaults to `"auto"`):
+            Gradients on the wire: `"auto"` (the model's dtype, as DDP: bf16 for a bf16 model, fp32 otherwise),
+            `"fp32"` or `"bf16"` (half the bytes of the reduce-scatter and a bf16 round buffer; each rank's fp32 sums
+            rounded once). Parameters are all-gathered in the model's dtype either way.
         acco_allow_custom_optimizer (`bool`, *optional*, defaults to `False`):
             Accept an optimizer class given as `optimizer_cls_and_kwargs` that ACCO does not know to be element-wise
             (you vouch that each element's update depends only on that element).
@@ -139,9 +140,9 @@ class ACCOConfigMixin:
         metadata={"help": "Timeout in seconds of the round's collectives (a dead peer raises instead of hanging)."},
     )
     acco_comm_dtype: str = field(
-        default="fp32",
-        metadata={"help": "Gradients on the wire: fp32 or bf16 (parameters go in the model's dtype).",
-                  "choices": ["fp32", "bf16"]},
+        default="auto",
+        metadata={"help": "Gradients on the wire: auto (the model's dtype, as DDP), fp32 or bf16 (parameters go in "
+                  "the model's dtype).", "choices": ["auto", "fp32", "bf16"]},
     )  # fmt: skip
     acco_allow_custom_optimizer: bool = field(
         default=False,
@@ -185,13 +186,14 @@ class ACCOConfigMixin:
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:
             raise ValueError(f"acco_comm_timeout_s must be > 0, got {self.acco_comm_timeout_s}")
-        if self.acco_comm_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"acco_comm_dtype must be 'fp32' or 'bf16', got {self.acco_comm_dtype!r}")
+        if self.acco_comm_dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"acco_comm_dtype must be 'auto', 'fp32' or 'bf16', got {self.acco_comm_dtype!r}")
         if self.acco_grad_dtype not in ("fp32", "bf16"):
             raise ValueError(f"acco_grad_dtype must be 'fp32' or 'bf16', got {self.acco_grad_dtype!r}")
-        if self.acco_grad_dtype == "bf16" and self.acco_comm_dtype != "bf16":
+        if self.acco_grad_dtype == "bf16" and self.acco_comm_dtype == "fp32":
             raise ValueError(
-                "acco_grad_dtype='bf16' needs acco_comm_dtype='bf16' (the sums go on the wire as they are)."
+                "acco_grad_dtype='bf16' needs bf16 on the wire (acco_comm_dtype='bf16', or 'auto' with a bf16 model): "
+                "the sums go on the wire as they are."
             )
 
     @cached_property

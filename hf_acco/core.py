@@ -107,7 +107,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         nonfinite (`str`, defaults to `"skip"`): when the averaged gradient has an inf or NaN (seen by every rank
             in the all-reduced norm, so all take the same decision): ``"skip"`` the update (master, state and
             estimate stay as they are; counted in ``totals["skipped_steps"]``) or ``"error"``: stop with an error.
-        comm_dtype (`str`, defaults to `"fp32"`): the gradients' dtype on the wire, ``"fp32"`` or ``"bf16"`` (each
+        comm_dtype (`str`, defaults to `"auto"`): the gradients' dtype on the wire: ``"auto"`` (the model's: bf16 for
+            a bf16 model, as DDP), ``"fp32"`` or ``"bf16"`` (each
             rank's fp32 sums rounded once to bf16, summed in fp32 where the backend allows: gloo's all-to-all; NCCL
             sums in bf16). Parameters are all-gathered in the model's dtype either way.
         grad_dtype (`str`, defaults to `"fp32"`): the dtype gradients accumulate in. ``"bf16"`` (for bf16 models
@@ -135,7 +136,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         broadcast_parameters: bool = True,
         auto_step: bool = False,
         nonfinite: str = "skip",
-        comm_dtype: str | torch.dtype = "fp32",
+        comm_dtype: str | torch.dtype = "auto",
         grad_dtype: str | torch.dtype = "fp32",
         **defaults: Any,
     ) -> None:
@@ -143,11 +144,12 @@ class ACCOOptimizer(torch.optim.Optimizer):
         counts = micro_batches, min_micro_batches, max_micro_batches
         self.schedule, self.accumulation = parse_settings(schedule, accumulation, *counts)
         check_nonfinite(nonfinite)  # before the first collective: a bad setting fails alone, not in a hang
-        wire, sums = parse_comm_dtype(comm_dtype), parse_comm_dtype(grad_dtype, "grad_dtype")
+        sums = parse_comm_dtype(grad_dtype, "grad_dtype")
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
         self._params = [p for _, p, _ in named]
+        wire = parse_comm_dtype(comm_dtype, params=self._params)
         check_grad_dtype(sums, wire, model_dtype(self._params))  # before the first collective, as above
         self.comm = communicator if communicator is not None else Communicator(group)
         self.layout = FlatLayout(
@@ -177,7 +179,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
             self.layout, self.comm, self.shard, max_grad_norm, nonfinite, shard_grad_of=self.buffers.shard_grad_of
         )
         self.rounds = RoundsInFlight(self._round, self.buffers, self.stats, self.halves)
-        self._boundary = ShardCheckpoint(self.layout, self.comm, self.shard)  # the last step boundary, for state_dict
+        self._boundary = ShardCheckpoint(  # the last step boundary, for state_dict
+            self.layout, self.comm, self.shard, self._params, keep_copy=self.schedule is Schedule.ACCO
+        )
+        self._model_moved = False  # the model no longer holds the last boundary's parameters (acco, after A→B)
         self.step_count = 0  # committed optimizer steps launched
         self._in_eval, self._eval_backup = False, None  # committed θ loaded for evaluation; what it replaced
         self._closed = False
@@ -291,10 +296,13 @@ class ACCOOptimizer(torch.optim.Optimizer):
             return
         self.synchronize()
         if self.rounds.kind is RoundKind.COMMIT:  # else the model already holds θ
-            # on the host (the GPU keeps no full copy), in the model's own dtype: an exact copy of what it holds
-            self._eval_backup = self.buffers.model_to_host()
+            # An exact copy of what the model holds, kept while it holds θ: at a step boundary in the accumulation
+            # buffer (free there, and no narrower than the model's dtype); in the middle of a step (half A holds
+            # gradients there: hand-written loops only, Trainer evaluates and saves at step boundaries) on the host
+            at_boundary = not (self._half_count or self._step_counts or self.buffers.hook_calls)
+            self._eval_backup = self.buffers.model_to_accum() if at_boundary else self.buffers.model_to_host()
             self.buffers.load_round_output()
-        self._in_eval = True
+        self._in_eval = self.buffers.evaluating = True
 
     def train(self) -> None:
         """Give the model back what training computes with (Trainer calls this before every micro-batch)."""
@@ -302,8 +310,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
             return
         if self._eval_backup is not None:
             self.buffers.load_into_model(self._eval_backup)
+            if self._eval_backup is self.buffers.accum:
+                self.buffers.release_accum()
             self._eval_backup = None
-        self._in_eval = False
+        self._in_eval = self.buffers.evaluating = False
 
     @torch.no_grad()
     def rendezvous(self) -> None:
@@ -345,8 +355,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         if self.rounds.kind is RoundKind.COMMIT:
             self.buffers.load_round_output()
         self.rounds.drop()
-        self._boundary.model.copy_(self.shard.master)  # the model now holds θ: a boundary with nothing pending
-        self._boundary.pending = False
+        self._model_moved, self._boundary.pending = False, False  # the model holds θ: a boundary, nothing pending
         self.buffers.accum.zero_()
         self._restart_step()
 
@@ -390,7 +399,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         micro-batches of the unfinished step are not in it, and a resumed run computes them again.
         """
         self.synchronize()  # the master shard is final once the commit round in flight has finished
-        state = self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams())
+        state = self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams(), self._model_moved)
         state["stats"] = self.stats.state_dict()
         # torch's keys too, for tools and callbacks that read them (``param_groups``: the hyper-parameters, each
         # parameter by its index, as torch numbers them). The per-element state is sharded: it is in
@@ -423,6 +432,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self.step_count = state_dict["step_count"]
         self.stats.load_state_dict(state_dict.get("stats"))
         self.rounds.drop()
+        self._model_moved = False
         if pending:
             self.rounds.completed(RoundKind.COMMIT)
         self.phase = first_phase(self._schedule_now())
@@ -445,6 +455,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _boundary_estimate_to_correction(self) -> None:
         # (a) wait for the commit round of the previous step and (b) load θ_t: half B computes at θ_t.
+        self._model_moved |= self.rounds.current is not None
         self._wait_and_load()
         self._finish_half()
         micro_batches, weight = self._step_counts[-1]
@@ -471,12 +482,15 @@ class ACCOOptimizer(torch.optim.Optimizer):
         micro_batches = sum(c for c, _ in self._step_counts)
         weight = sum(w for _, w in self._step_counts)
         if end.load_first:  # acco: the estimate θ̃_{t+1} (next half A computes there); dpu: θ_t
-            self._wait_and_load(at_boundary=True)
-        self._launch(RoundKind.COMMIT, weight, micro_batches, swap=True)
+            self._wait_and_load()
+        # acco's next step loads θ_{t+1} at its A→B boundary: the commit round first copies this boundary's model
+        # shard to the host, off the main stream (ShardCheckpoint.capture); dpu and sync never move the model mid-step
+        capture = self._schedule_now() is Schedule.ACCO
+        self._launch(RoundKind.COMMIT, weight, micro_batches, swap=True, capture=capture)
         if end.wait_at_once:  # sync: θ_{t+1} at once
             self._wait_and_load()
-            self._boundary.model.copy_(self.shard.master)
         self._boundary.pending = self.rounds.kind is RoundKind.COMMIT
+        self._model_moved = False
         self.step_count += 1
         self.stats.step_ended(self.step_count, micro_batches, weight)
         self._restart_step()  # after a warm-up the estimate restarts from θ (the schedule's first phase)
@@ -486,14 +500,15 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._step_counts.append((self._half_count, self._half_weight))
         self._half_count, self._half_weight = 0, 0.0
 
-    def _launch(self, kind: RoundKind, weight: float, micro_batches: int, swap: bool) -> None:
+    def _launch(self, kind: RoundKind, weight: float, micro_batches: int, swap: bool, capture: bool = False) -> None:
         label = f"{kind.value} round {self.step_count}"
         # hyper-parameters as of launch: schedulers mutate them
-        self.rounds.launch(kind, weight, micro_batches, self._joined, swap, self._hparams(), label)
+        before = self._boundary.capture if capture else None
+        self.rounds.launch(kind, weight, micro_batches, self._joined, swap, self._hparams(), label, before)
 
-    def _wait_and_load(self, at_boundary: bool = False) -> None:
-        """Wait for the round in flight and load its output; at a step boundary also keep this rank's shard."""
-        self.rounds.wait_and_load(self._boundary.model if at_boundary else None)
+    def _wait_and_load(self) -> None:
+        """Wait for the round in flight and load its output into the model."""
+        self.rounds.wait_and_load()
 
     # ---- internals: helpers -------------------------------------------------------------------------------
 

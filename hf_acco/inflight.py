@@ -8,6 +8,7 @@ runner orders the round's stream after the launch and the main stream after ``wa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from .buffers import BufferPair
 from .comm import CompletedRound, RoundRunner
 from .halves import FixedHalves, InFlight
-from .rounds import Round, RoundResult, own_pieces
+from .rounds import Round, RoundResult
 from .schedule import RoundKind
 from .stats import EngineStats
 
@@ -33,9 +34,19 @@ class RoundsInFlight:
         return None if self.current is None else self.current.kind
 
     def launch(
-        self, kind: RoundKind, weight: float, micro_batches: int, joined: bool, swap: bool, hparams: list, label: str
+        self,
+        kind: RoundKind,
+        weight: float,
+        micro_batches: int,
+        joined: bool,
+        swap: bool,
+        hparams: list,
+        label: str,
+        before: Callable[[], torch.cuda.Event | None] | None = None,
     ) -> None:
-        """Hand ``accum``'s sums to a new round (swapped or copied, see ``BufferPair``) and start it."""
+        """Hand ``accum``'s sums to a new round (swapped or copied, see ``BufferPair``) and start it. ``before`` runs
+        first on the round's thread and stream (the boundary's copy of the model, see ``ShardCheckpoint.capture``);
+        the round's ``done`` event comes after the work it queued, on whatever stream (the event it returns)."""
         if self.current is not None:
             raise AssertionError("a round is still in flight")  # invariant: one round at a time
         buf = self.buffers.hand_over(swap)  # from here on the round owns ``buf``
@@ -43,9 +54,15 @@ class RoundsInFlight:
         counts = [float(weight), float(micro_batches), 1.0 if joined else 0.0]  # to the host group: no device copy
         inflight = InFlight(None, kind)  # type: ignore[arg-type]
         everyone_in = inflight.everyone_in
-        inflight.handle = self.runner.launch(
-            lambda: self.body(kind, grads, params, counts, hparams, everyone_in, label)
-        )
+
+        def run() -> RoundResult:
+            copied = before() if before is not None else None
+            result = self.body(kind, grads, params, counts, hparams, everyone_in, label)
+            if copied is not None:
+                torch.cuda.current_stream().wait_event(copied)  # the round stream; before its ``done``
+            return result
+
+        inflight.handle = self.runner.launch(run)
         self.current = inflight
         self.buffers.restart(swap)
 
@@ -58,17 +75,12 @@ class RoundsInFlight:
         if self.current is not None:
             self.stats.wait_s += self._wait()
 
-    def wait_and_load(self, model_shard: torch.Tensor | None = None) -> None:
-        """Wait for the round in flight and copy its all-gathered parameters into the model (and this rank's
-        shard of them into ``model_shard``)."""
+    def wait_and_load(self) -> None:
+        """Wait for the round in flight and copy its all-gathered parameters into the model."""
         if self.current is None:
             return
         self.stats.wait_s += self._wait()
         self.buffers.load_round_output()
-        if model_shard is not None:
-            output = self.buffers.params_of(self.buffers.comm)
-            # to the host, queued on the main stream before the next launch can reuse ``comm``
-            model_shard.copy_(own_pieces(self.body.layout, output, self.body.rank).reshape(-1), non_blocking=True)
         self.buffers.round_returned()
         self.current = None
 

@@ -1,18 +1,29 @@
 """Bytes per rank of every buffer the engine holds, next to DDP, ZeRO-1 and ZeRO-2 for the same model.
 
-    python -m hf_acco.memory --params 7e9 --world_size 8 --param_dtype bf16 [--comm_dtype bf16] [--grad_dtype bf16]
-                             [--json]
+    python -m hf_acco.memory --params 7e9 --world_size 8 --param_dtype bf16 [--comm_dtype auto|fp32|bf16]
+                             [--grad_dtype fp32|bf16] [--optimizer fused|foreach] [--gpus_per_node 8] [--json]
+
+Units: GB = 10^9 bytes, with GiB (2^30 bytes) beside it. An "80 GB" GPU holds 80 GiB (85.9 GB), less what the CUDA
+context, NCCL and the allocator's fragmentation take.
 
 The engine's figures come from the code that allocates its buffers: the flat layout (``FlatLayout``, padding and
-buckets included), the buffer pair's dtypes (``buffers.comm_allocation``), where a round keeps the shard gradient
-(``buffers.shard_grad_room``: in its buffer, else a tensor of its own), the shard optimizer's master and
-per-element state, the boundary shard (``ShardCheckpoint``). ``tests/test_memory.py`` checks them against the
-tensors a built engine really holds. Persistent: on the device for the whole run. Peak: persistent plus the
-largest temporary on the device (a commit round's inner optimizer step: torch's foreach Adam allocates a
-shard-sized square root of the second moment; a round's estimate windows; on gloo its all-to-all receive
-buffers). Host: the
-boundary shard (for mid-step checkpoints) and, during evaluation and saving, a copy of the model's parameters in
-its dtype live in (pinned) host memory; a resume stages through the accumulation buffer.
+buckets included), the buffer pair's dtypes (``buffers.comm_allocation``; ``"auto"`` on the wire is the model's
+dtype), where a round keeps the shard gradient (``buffers.shard_grad_room``: in its buffer, else a tensor of its own),
+the shard optimizer's master and per-element state, the boundary's model shard (``ShardCheckpoint``).
+``tests/test_memory.py`` checks them against the tensors a built engine really holds.
+
+* Persistent: on the device for the whole run.
+* Round stream pool: the temporaries of the rounds (the Adam estimate's windows; the commit's inner step: torch's
+  foreach Adam allocates a shard-sized square root of the second moment, the fused one nothing). They are allocated
+  on the round's own stream, and the caching allocator keeps freed blocks for the stream that made them: activations
+  cannot reuse them, so they count as held for the run. Peak = persistent + that pool + the largest temporary of
+  the main thread (none of shard size: the boundary's model shard goes to the host straight from the model).
+* Host: acco's copy of the boundary's model shard (in the model's dtype, pinned on a GPU: a checkpoint written in
+  the middle of a step still describes the boundary); per node with ``--gpus_per_node``. Evaluation and saving at a
+  step boundary keep the training parameters in the accumulation buffer (free there): nothing on the host; in the
+  middle of a step (hand-written loops) a copy of the model in its dtype on the host. A resume stages through the
+  accumulation buffer; a re-sharding resume reads each rank's new ranges from memory-mapped files (its shard's
+  master, model and moments, on the host while it loads).
 
 The baselines, per rank, for a model whose weights are in ``param_dtype`` and whose gradients accumulate in fp32
 (as DeepSpeed does with bf16; Adam(W): two fp32 moments): DDP, every rank everything; ZeRO-1, master and moments
@@ -28,32 +39,46 @@ from dataclasses import dataclass, field
 import torch
 
 from .buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
-from .optim import ESTIMATE_TEMPORARIES, estimate_window
+from .optim import estimate_window
 from .sharding import FlatLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_STATE_PER_ELEMENT = 2  # exp_avg, exp_avg_sq
+OPTIMIZERS = ("fused", "foreach")  # Trainer's default optim="adamw_torch_fused"; a plain AdamW on CUDA: foreach
+GIB = 1 << 30
 
 
 @dataclass
 class MemoryReport:
-    """Bytes per rank: what is held for the whole run, and the temporaries on top of it at their peak."""
+    """Bytes per rank: what is held for the whole run, the rounds' cached temporaries, and the host's share."""
 
     persistent: dict[str, int]  # on the device
-    temporaries: dict[str, int] = field(default_factory=dict)  # on the device, one at a time
-    host: dict[str, int] = field(default_factory=dict)  # in (pinned) host memory, at most
+    round_pool: dict[str, int] = field(default_factory=dict)  # on the device, the round stream's (largest counts)
+    temporaries: dict[str, int] = field(default_factory=dict)  # on the device, main thread, one at a time
+    host: dict[str, int] = field(default_factory=dict)  # in (pinned) host memory, held for the run
+    host_transient: dict[str, int] = field(default_factory=dict)  # on the host, only while it happens
 
     @property
     def persistent_bytes(self) -> int:
         return sum(self.persistent.values())
 
     @property
+    def round_pool_bytes(self) -> int:
+        return max(self.round_pool.values(), default=0)
+
+    @property
     def peak_bytes(self) -> int:
-        return self.persistent_bytes + max(self.temporaries.values(), default=0)
+        return self.persistent_bytes + self.round_pool_bytes + max(self.temporaries.values(), default=0)
 
     @property
     def host_bytes(self) -> int:
         return sum(self.host.values())
+
+
+def estimate_temporaries(optimizer: str, narrow_output: bool) -> int:
+    """Window-sized fp32 temporaries of one Adam estimate window (optim._adam_estimate_runs): copies of the two
+    moments, θ's copy when the output is narrower than fp32 or holds the gradient, the foreach kernel's square root."""
+    return 2 + int(narrow_output) + int(optimizer == "foreach")
 
 
 def engine_memory(
@@ -61,15 +86,18 @@ def engine_memory(
     world_size: int,
     *,
     param_dtype: torch.dtype = torch.float32,
-    comm_dtype: torch.dtype = torch.float32,
+    comm_dtype: torch.dtype | str = "auto",
     grad_dtype: torch.dtype = ACCUM_DTYPE,
     schedule: str = "acco",
     backend: str = "nccl",
     bucket_numel: int | None = None,
     state_per_element: int = ADAM_STATE_PER_ELEMENT,
     max_inflight: int = 4,
+    optimizer: str = "fused",
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
+    if comm_dtype == "auto":
+        comm_dtype = param_dtype
     layout = FlatLayout([torch.empty(numel, device="meta")], ["all"], [0], world_size, bucket_numel, backend)
     full, shard = layout.padded_numel, layout.shard_numel
     fp32 = torch.float32.itemsize
@@ -85,32 +113,48 @@ def engine_memory(
         "optimizer state shard (fp32)": state_per_element * shard * fp32,
     }
     window = min(shard, estimate_window(shard))
-    temporaries = {
-        "round: Adam estimate windows": ESTIMATE_TEMPORARIES * window * fp32,
-        # torch's foreach Adam(W) (the CUDA default) allocates the square root of the second moment at once
-        "round: commit step (the inner optimizer's own temporaries)": shard * fp32,
+    # the estimate writes into the round buffer's own pieces: in fp32 straight there, unless they hold the gradient
+    # (room "own") or are narrower (a bf16 buffer)
+    narrow = (comm if comm is not None else grad_dtype) != torch.float32 or room == "own"
+    round_pool = {
+        "round: Adam estimate windows": estimate_temporaries(optimizer, narrow) * window * fp32,
+        "round: commit step (the inner optimizer's own temporaries)": shard * fp32 if optimizer == "foreach" else 0,
     }
-    host = {  # a resume stages through the accumulation buffer (free at a step boundary): nothing more
-        "boundary shard (fp32, for mid-step checkpoints)": shard * fp32,
-        "evaluation / saving: backup of the model's parameters (model dtype, full)": full * param_dtype.itemsize,
+    if schedule == "sync":  # no estimate round
+        round_pool.pop("round: Adam estimate windows")
+    temporaries = {"main thread at a step boundary (no shard-sized copy)": 0}
+    host = {}
+    if schedule == "acco":
+        host["acco: the boundary's model shard (model dtype, pinned on a GPU)"] = shard * param_dtype.itemsize
+    host_transient = {
+        "evaluation / saving in the middle of a step: the model (model dtype, full)": full * param_dtype.itemsize,
+        "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
+        + shard * param_dtype.itemsize,
     }
     if backend == "gloo":
         wire = comm_dtype.itemsize
-        temporaries["round: all-to-all receive buffers"] = (
+        round_pool["round: all-to-all receive buffers"] = (
             min(max_inflight, layout.num_buckets) * layout.bucket_size * wire
         )
-    return MemoryReport(persistent, temporaries, host)
+    return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
 
 
 def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (not imported: no cycle)
     """The report for a built engine, from its own layout and settings."""
+    fused = any(g.get("fused") for g in opt.shard.inner.param_groups)
     return engine_memory(
-        opt.layout.numel, opt.layout.world_size, param_dtype=opt.buffers.param_dtype,
-        comm_dtype=opt.buffers.comm_dtype, grad_dtype=opt.buffers.accum.dtype, schedule=opt.schedule.value,
+        opt.layout.numel,
+        opt.layout.world_size,
+        param_dtype=opt.buffers.param_dtype,
+        comm_dtype=opt.buffers.comm_dtype,
+        grad_dtype=opt.buffers.accum.dtype,
+        schedule=opt.schedule.value,
         backend=opt.comm.backend,
-        bucket_numel=opt.layout.bucket_numel, state_per_element=len(opt.shard.state_tensors()[0]) or 2,
+        bucket_numel=opt.layout.bucket_numel,
+        state_per_element=len(opt.shard.state_tensors()[0]) or 2,
         max_inflight=opt.comm.max_inflight,
-    )  # fmt: skip
+        optimizer="fused" if fused else "foreach",
+    )
 
 
 def baselines(numel: int, world_size: int, param_dtype: torch.dtype) -> dict[str, int]:
@@ -123,65 +167,87 @@ def baselines(numel: int, world_size: int, param_dtype: torch.dtype) -> dict[str
     }
 
 
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB ({n / GIB:.2f} GiB)"
+
+
 def table(
-    numel: int,
-    world_size: int,
-    param_dtype: torch.dtype,
-    comm_dtype: torch.dtype,
-    grad_dtype: torch.dtype,
-    schedule: str,
+    report: MemoryReport, numel: int, world_size: int, param_dtype: torch.dtype, settings: dict, gpus_per_node: int
 ) -> str:
-    report = engine_memory(
-        numel, world_size, param_dtype=param_dtype, comm_dtype=comm_dtype, grad_dtype=grad_dtype, schedule=schedule
-    )
-    gb = 1e9
-    lines = [f"hf_acco ({schedule}, {_name(comm_dtype)} on the wire, {_name(grad_dtype)} accumulation), per rank, "
-             f"{numel / 1e9:.3g}B parameters in {_name(param_dtype)} on {world_size} ranks:", "", "| buffer | GB |",
-             "|---|---|"]  # fmt: skip
-    lines += [f"| {name} | {n / gb:.2f} |" for name, n in report.persistent.items() if n]
-    lines += [f"| **persistent** | **{report.persistent_bytes / gb:.2f}** |"]
-    lines += [f"| + {name} | {n / gb:.2f} |" for name, n in report.temporaries.items()]
-    lines += [f"| **peak** | **{report.peak_bytes / gb:.2f}** |"]
-    lines += [f"| host: {name} | {n / gb:.2f} |" for name, n in report.host.items()]
-    lines += ["", "| baseline | persistent GB |", "|---|---|"]
-    lines += [f"| {name} | {n / gb:.2f} |" for name, n in baselines(numel, world_size, param_dtype).items()]
+    """The report as Markdown tables (GB = 10^9 bytes, GiB beside)."""
+    name = ", ".join(f"{k} {v}" for k, v in settings.items())
+    lines = [f"hf_acco per rank, {numel / 1e9:.3g}B parameters on {world_size} ranks ({name}):", ""]
+    lines += ["| on the device | GB (GiB) |", "|---|---|"]
+    lines += [f"| {k} | {_gb(n)} |" for k, n in report.persistent.items() if n]
+    lines += [f"| **persistent** | **{_gb(report.persistent_bytes)}** |"]
+    lines += [f"| + round stream pool: {k} | {_gb(n)} |" for k, n in report.round_pool.items()]
+    lines += [f"| **peak** (persistent + the pool's largest) | **{_gb(report.peak_bytes)}** |", ""]
+    lines += ["| on the host | GB (GiB) |", "|---|---|"]
+    lines += [f"| {k} | {_gb(n)} |" for k, n in report.host.items()]
+    lines += [f"| **pinned per rank** | **{_gb(report.host_bytes)}** |"]
+    lines += [f"| **pinned per node** ({gpus_per_node} GPUs) | **{_gb(report.host_bytes * gpus_per_node)}** |"]
+    lines += [f"| only while it happens: {k} | {_gb(n)} |" for k, n in report.host_transient.items()]
+    lines += ["", "| baseline | persistent GB (GiB) |", "|---|---|"]
+    lines += [f"| {k} | {_gb(n)} |" for k, n in baselines(numel, world_size, param_dtype).items()]
     return "\n".join(lines)
 
 
-def _name(dtype: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hf_acco.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--params", type=float, required=True, help="trainable parameters, e.g. 7e9")
+    p.add_argument("--world_size", type=int, default=8)
+    p.add_argument("--gpus_per_node", type=int, default=8, help="ranks per machine (pinned host memory per node)")
+    p.add_argument("--param_dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument(
+        "--comm_dtype",
+        choices=["auto", *sorted(DTYPES)],
+        default="auto",
+        help="gradients on the wire (auto: the model's)",
+    )
+    p.add_argument("--grad_dtype", choices=sorted(DTYPES), default="fp32", help="gradient accumulation")
+    p.add_argument("--schedule", choices=["acco", "dpu", "sync"], default="acco")
+    p.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="fused", help="the inner AdamW (Trainer's default: fused)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
+    return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hf_acco.memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--params", type=float, required=True, help="trainable parameters, e.g. 7e9")
-    p.add_argument("--world_size", type=int, default=8)
-    p.add_argument("--param_dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--comm_dtype", choices=sorted(DTYPES), default="fp32", help="gradients on the wire")
-    p.add_argument("--grad_dtype", choices=sorted(DTYPES), default="fp32", help="gradient accumulation")
-    p.add_argument("--schedule", choices=["acco", "dpu", "sync"], default="acco")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
+    p = make_parser()
     args = p.parse_args(argv)
-    numel, param, comm = int(args.params), DTYPES[args.param_dtype], DTYPES[args.comm_dtype]
-    grad = DTYPES[args.grad_dtype]
+    numel, param, grad = int(args.params), DTYPES[args.param_dtype], DTYPES[args.grad_dtype]
+    comm = param if args.comm_dtype == "auto" else DTYPES[args.comm_dtype]
     try:
         check_grad_dtype(grad, comm, param)
     except ValueError as e:
         p.error(str(e))
-    if not args.json:
-        print(table(numel, args.world_size, param, comm, grad, args.schedule))
-        return
     report = engine_memory(
-        numel, args.world_size, param_dtype=param, comm_dtype=comm, grad_dtype=grad, schedule=args.schedule
-    )
-    print(json.dumps({
-        "params": numel, "world_size": args.world_size, "param_dtype": args.param_dtype,
-        "comm_dtype": args.comm_dtype, "grad_dtype": args.grad_dtype, "schedule": args.schedule,
-        "persistent_bytes": report.persistent_bytes, "peak_bytes": report.peak_bytes, "host_bytes": report.host_bytes,
-        "persistent": report.persistent, "temporaries": report.temporaries, "host": report.host,
-        "baselines_persistent_bytes": baselines(numel, args.world_size, param),
-    }))  # fmt: skip
+        numel, args.world_size, param_dtype=param, comm_dtype=comm, grad_dtype=grad, schedule=args.schedule,
+        optimizer=args.optimizer,
+    )  # fmt: skip
+    settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(comm), "grad_dtype": args.grad_dtype}
+    settings.update(schedule=args.schedule, optimizer=args.optimizer)
+    if not args.json:
+        print(table(report, numel, args.world_size, param, settings, args.gpus_per_node))
+        return
+    out = {"unit": "bytes (GB = 10^9 bytes; GiB = 2^30)", "params": numel, "world_size": args.world_size}
+    out.update(gpus_per_node=args.gpus_per_node, param_dtype=args.param_dtype, comm_dtype=_name(comm))
+    out.update(grad_dtype=args.grad_dtype, schedule=args.schedule, optimizer=args.optimizer)
+    out.update(persistent_bytes=report.persistent_bytes, round_pool_bytes=report.round_pool_bytes)
+    out.update(peak_bytes=report.peak_bytes, host_pinned_bytes_per_rank=report.host_bytes)
+    out.update(host_pinned_bytes_per_node=report.host_bytes * args.gpus_per_node)
+    out.update({f"{k}_gib": out[k] / GIB for k in list(out) if k.endswith("_bytes") or "_bytes_per_" in k})
+    out.update(persistent=report.persistent, round_pool=report.round_pool, temporaries=report.temporaries)
+    out.update(host=report.host, host_transient=report.host_transient)
+    out["baselines_persistent_bytes"] = baselines(numel, args.world_size, param)
+    print(json.dumps(out))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 if __name__ == "__main__":

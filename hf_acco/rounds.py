@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -175,20 +176,15 @@ class Round:
         total_weight, total_micro_batches, joined, *agreed = comm.all_reduce_counts(list(counts) + mine)
         hparams = with_hparam_numbers(hparams, agreed)
         everyone_in.set()
-        if total_weight <= 0 and joined == 0:  # the same on every rank: all raise before any device collective
-            raise ValueError(
-                "The global weight of an ACCO round is 0 (no micro-batch or no tokens on any rank): check that "
-                "the dataset is not empty and that labels are not all masked."
-            )
-        # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums, in fp32, into the round's
-        # buffer where it has room (its own pieces, or beside them); from here on the rest of the buffer is free for
-        # the output, and this rank's output pieces once the update has read the gradient
-        grad = shard.use_grad(self.shard_grad_of(grads))
-        comm.reduce_scatter(layout, grads, grad)
-        if total_weight <= 0:  # a rendezvous round in which no rank had a micro-batch: no update (same everywhere)
-            norm, skipped = torch.zeros(1, device=buf.device), False
-            put_own_pieces(layout, buf, shard.master, self.rank)
+        if total_weight <= 0:  # the same on every rank: no weight anywhere, so nothing to reduce or update
+            norm, skipped = torch.zeros(1, device=buf.device), self._no_weight(kind, joined)
+            put_own_pieces(layout, buf, shard.master, self.rank)  # the committed parameters
         else:
+            # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums, in fp32, into the round's
+            # buffer where it has room (its own pieces, or beside them); from here on the rest of the buffer is free
+            # for the output, and this rank's output pieces once the update has read the gradient
+            grad = shard.use_grad(self.shard_grad_of(grads))
+            comm.reduce_scatter(layout, grads, grad)
             # an output narrower than the gradient it overwrites (a bf16 model, fp32 on the wire, the gradient in
             # this rank's own pieces): the update is computed in place of the gradient first, then rounded
             narrow = buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()
@@ -199,6 +195,20 @@ class Round:
             torch.cuda.current_stream(buf.device).synchronize()  # block the host on NCCL); blocks only this thread
         seconds = time.perf_counter() - t0
         return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined), skipped)
+
+    @staticmethod
+    def _no_weight(kind: RoundKind, joined: float) -> bool:
+        """A round with no weight on any rank hands back the committed parameters. An estimate's half without a label
+        token (completion-only SFT with truncation) is an estimate of θ itself; a rendezvous round in which no rank
+        had a micro-batch is nothing to do. A commit round without weight is a step without data: skipped, said."""
+        if kind is not RoundKind.COMMIT or joined:
+            return False
+        warnings.warn(
+            "An ACCO optimizer step had no weight on any rank (no micro-batch, or no label token: check that the "
+            "labels are not all masked): the step is skipped, the parameters stay as they are.",
+            stacklevel=2,
+        )
+        return True
 
     def _update(
         self, kind: RoundKind, buf: torch.Tensor, total_weight: float, hparams: list, narrow: bool = False

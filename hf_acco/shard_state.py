@@ -9,12 +9,13 @@ weights, of the inner optimizer's per-element state, and of the parameters the m
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .buffers import BufferPair
+from .buffers import BufferPair, model_dtype
 from .comm import Communicator
 from .optim import ShardOptimizer
 from .rounds import put_own_pieces
@@ -26,26 +27,78 @@ STATE_FORMAT = 1
 class ShardCheckpoint:
     """This rank's state at the last optimizer-step boundary that is not in the master shard, saved and restored.
 
-    ``model``: this rank's shard of the parameters the model computed with from the boundary (acco's estimate,
-    dpu's previous θ); ``pending``: whether a commit round was in flight there. With them ``state_dict()``
-    describes that boundary exactly even from the middle of a step.
+    The boundary's model shard (this rank's pieces of the parameters the model computed with from the boundary:
+    acco's estimate, dpu's previous θ, sync's θ) is read from the model itself, which holds it until the model is
+    next loaded. Only acco loads the model in the middle of a step (θ_t at the A→B boundary), so only acco keeps a
+    copy: ``capture`` takes it on the commit round's thread at the start of each acco step (see ``RoundsInFlight``),
+    into host memory in the model's dtype (pinned on a GPU), off the main stream. ``pending``: whether a commit
+    round was in flight at the boundary. With them ``state_dict()`` describes that boundary exactly even from the
+    middle of a step.
     """
 
-    def __init__(self, layout: FlatLayout, comm: Communicator, shard: ShardOptimizer) -> None:
-        self.layout, self.comm, self.shard = layout, comm, shard
-        # On the host (pinned on a GPU, so the copy at every step boundary runs asynchronously on the main stream):
-        # it is read only when a checkpoint is written, and a shard of fp32 per GPU is memory a large model needs.
-        self.model = torch.empty(shard.master.shape, dtype=shard.master.dtype, pin_memory=shard.master.is_cuda)
-        self.model.copy_(shard.master)
+    def __init__(
+        self, layout: FlatLayout, comm: Communicator, shard: ShardOptimizer, params: list, keep_copy: bool
+    ) -> None:
+        self.layout, self.comm, self.shard, self.params = layout, comm, shard, params
+        self.param_dtype = model_dtype(params)
+        self._pieces = layout.shard_param_pieces(comm.rank)  # (parameter, shard start, shard end)
+        self.copy: torch.Tensor | None = None  # acco: the boundary's model shard, once captured
+        if keep_copy:
+            cuda = shard.master.is_cuda
+            self.copy = torch.zeros(layout.shard_numel, dtype=self.param_dtype, pin_memory=cuda)
+            self._stream = torch.cuda.Stream(shard.master.device) if cuda else None
+        self.captured = False
         self.pending = False
 
-    def state_dict(self, schedule: str, step_count: int, hparams: list[dict[str, Any]]) -> dict[str, Any]:
-        if self.shard.master.is_cuda:  # the boundary shard's copy to the host was queued on the main stream
-            torch.cuda.current_stream(self.shard.master.device).synchronize()
+    def _model_pieces(self) -> list[tuple[torch.Tensor, int, int]]:
+        """(this rank's run of one parameter, as a view of it; its shard start and end)."""
+        layout, rank, out = self.layout, self.comm.rank, []
+        for i, start, end in self._pieces:
+            bucket, offset = divmod(start, layout.chunk)
+            flat = bucket * layout.bucket_size + rank * layout.chunk + offset - layout.offsets[i]
+            out.append((self.params[i].detach().reshape(-1)[flat : flat + end - start], start, end))
+        return out
+
+    def capture(self) -> torch.cuda.Event | None:
+        """Copy this rank's pieces of the model into ``copy``. Called on the commit round's thread, whose stream
+        has waited for the launch's ``ready`` event (recorded after the boundary loaded the model): on a GPU the
+        copies run on a stream of their own, concurrently with the round's collectives, and the returned event
+        (recorded after them) is waited for by the round's stream before its ``done`` event. Invariant: the main
+        thread writes the model again only after waiting for ``done`` (the A→B load, eval, a resume), and reads
+        ``copy`` only after ``state_dict``'s synchronisation, so neither side sees the other's half-done work."""
+        if self.copy is None:
+            raise AssertionError("capture() is for the acco schedule")  # only acco moves the model mid-step
+        event = None
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))  # after the round's wait for ``ready``
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for source, start, end in self._model_pieces():
+                self.copy[start:end].copy_(source, non_blocking=stream is not None)
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        self.captured = True
+        return event
+
+    def model_shard(self, moved: bool) -> torch.Tensor:
+        """The boundary's model shard on the host: the copy when the model has moved on since, else the model's."""
+        if moved:
+            if not self.captured:
+                raise AssertionError("the model moved mid-step without a copy of its boundary state")
+            return self.copy.clone()
+        out = torch.zeros(self.layout.shard_numel, dtype=self.param_dtype)
+        for source, start, end in self._model_pieces():
+            out[start:end].copy_(source)
+        return out
+
+    def state_dict(self, schedule: str, step_count: int, hparams: list[dict[str, Any]], moved: bool) -> dict:
+        if self.shard.master.is_cuda:  # the copies to the host were queued on the device's streams
+            torch.cuda.synchronize(self.shard.master.device)
         flat_state, scalars = self.shard.state_tensors()
 
         def host(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().cpu().clone()
+            return t.detach().to("cpu", copy=True)
 
         return {
             "format": STATE_FORMAT,
@@ -56,7 +109,7 @@ class ShardCheckpoint:
             "pending_commit": self.pending,
             "hparams": hparams,
             "master": host(self.shard.master),
-            "model": host(self.model),
+            "model": self.model_shard(moved),  # in the model's dtype
             "optim_state": {k: host(v) for k, v in flat_state.items()},
             "optim_scalars": {k: host(v) for k, v in scalars.items()},
         }
@@ -85,7 +138,9 @@ class ShardCheckpoint:
         self.comm.all_gather(self.layout, None, staging)
         buffers.load_into_model(staging)
         staging.zero_()
-        self.model.copy_(model_shard)
+        if self.copy is not None:  # the model may move at the next A→B boundary: keep its state here
+            self.copy.copy_(model_shard)
+            self.captured = True
         self.pending = state_dict["pending_commit"]
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
             output = buffers.params_of(buffers.comm)
@@ -122,6 +177,52 @@ def shard_getter(
     if state_dict["rank"] != rank:
         raise ValueError(f"Rank {rank} was given the optimizer shard of rank {state_dict['rank']}.")
     return lambda v: v.to(device)
+
+
+def _runs_from(meta: dict[str, Any], layout: FlatLayout, rank: int) -> list[tuple[int, int, int, int]]:
+    """Where this rank's shard in ``layout`` lies in the shards of the layout ``meta`` describes: (old rank, start in
+    its shard, start in ours, length), one run per piece of an old rank's chunk."""
+    old_chunk = meta["chunk"]
+    old_bucket = meta["world_size"] * old_chunk
+    runs = []
+    for b in range(layout.num_buckets):
+        lo = b * layout.bucket_size + rank * layout.chunk
+        f, hi = lo, min(lo + layout.chunk, layout.numel)
+        while f < hi:
+            old_b, rest = divmod(f, old_bucket)
+            old_rank, offset = divmod(rest, old_chunk)
+            n = min(hi - f, old_chunk - offset)
+            runs.append((old_rank, old_b * old_chunk + offset, b * layout.chunk + f - lo, n))
+            f += n
+    return runs
+
+
+def reshard(shards: list[dict[str, Any]], layout: FlatLayout, rank: int) -> dict[str, Any]:
+    """This rank's state in ``layout`` from every rank's shard of a run with another layout (world size or chunk),
+    reading only the ranges this rank owns now: with memory-mapped shards (``torch.load(..., mmap=True)``) a rank
+    reads its share of the files, and no full-size vector is ever built."""
+    shards = sorted(shards, key=lambda s: s["rank"])
+    meta = shards[0]["layout"]
+    if [s["rank"] for s in shards] != list(range(meta["world_size"])):
+        raise ValueError(f"need the shards of all {meta['world_size']} ranks, got ranks {[s['rank'] for s in shards]}")
+    layout.check_matches(meta)  # the same parameters in the same groups, before anything is read
+    runs = _runs_from(meta, layout, rank)
+
+    def take(get: Callable[[dict], torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(layout.shard_numel, dtype=get(shards[0]).dtype)
+        for old_rank, old_start, start, n in runs:
+            out[start : start + n].copy_(get(shards[old_rank])[old_start : old_start + n])
+        return out
+
+    out = {k: v for k, v in shards[0].items() if k not in ("master", "model", "optim_state")}
+    out.update(
+        rank=rank,
+        layout=layout.meta(),
+        master=take(lambda s: s["master"]),
+        model=take(lambda s: s["model"]),
+        optim_state={k: take(lambda s, k=k: s["optim_state"][k]) for k in shards[0]["optim_state"]},
+    )
+    return out
 
 
 def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:

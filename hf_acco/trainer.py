@@ -295,7 +295,7 @@ class ACCOTrainerMixin:
             ),
             bucket_numel=_setting(args, "acco_bucket_numel", None),
             nonfinite=_setting(args, "acco_nonfinite", "skip"),
-            comm_dtype=_setting(args, "acco_comm_dtype", "fp32"),
+            comm_dtype=_setting(args, "acco_comm_dtype", "auto"),
             grad_dtype=_setting(args, "acco_grad_dtype", "fp32"),
             allow_custom_optimizer=True,  # checked just above, with the advice that fits Trainer
             **optimizer_kwargs,
@@ -442,16 +442,21 @@ class ACCOTrainerMixin:
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
+        if self.acco is None:  # outside train() (a one-step check): Trainer's own step, gradients in .grad
+            return super().training_step(model, inputs, num_items_in_batch)
         if isinstance(inputs, _Slot):  # dynamic mode (see get_batch_samples)
             return self._paced_step(model) if inputs.last else torch.zeros((), device=self.args.device)
-        # A window of one micro-batch under fixed acco: its two halves along the batch dimension (each half's
-        # gradient weighted by its share of the rows, so the step's gradient is the whole batch's)
+        # A window of one micro-batch under fixed acco: its two halves along the batch dimension, each one's loss
+        # and gradient scaled by its share of the rows, so the step's are the whole batch's (see _micro_batch_weight)
         parts = _split_rows(inputs) if splits_batches(self.args) else [(inputs, 1.0)]
         total = None
         for part, share in parts:
             weight, scale = self._micro_batch_weight(part, num_items_in_batch, share)  # before labels are popped
+            items = num_items_in_batch
+            if items is not None and share != 1.0 and self._loss_is_scaled(items):
+                items = items * share  # with the share as gradient scale: a loss summed over N is summed over N
             self.acco.grad_scale = scale
-            loss = super().training_step(model, part, num_items_in_batch)
+            loss = super().training_step(model, part, items)
             self.acco.grad_scale = 1.0
             self.acco.after_backward(weight)
             loss = loss if len(parts) == 1 else loss * scale
@@ -520,14 +525,26 @@ class ACCOTrainerMixin:
         Fixed mode: the same factor for every micro-batch of a step on every rank, so weight = factor x tokens
         makes the engine's sum / weight the exact token-weighted average, for each half as for the whole step.
         Dynamic mode: each micro-batch is its own window (its ``num_items_in_batch`` is its own token count), so
-        the gradient is scaled back to a plain token sum and the weight is the token count. ``share``: the fraction
-        of the micro-batch's rows in this part of it (a window of one micro-batch split into two halves), for a
-        mean loss.
+        the gradient is scaled back to a plain token sum and the weight is the token count.
+
+        ``share``: the fraction of the micro-batch's rows in this part of it (a window of one micro-batch split into
+        two halves). The part's gradient is scaled by it, and a token-normalised loss is given ``num_items_in_batch
+        x share`` (training_step): a loss summed over the window's N tokens then sums over N as one micro-batch's
+        would, and a model that takes the loss kwargs but returns a mean (it ignores N) gives the mean of the batch,
+        as Trainer+DDP computes it for the whole micro-batch (not twice it).
+
+        A window without a label token (``num_items_in_batch == 0``: this rank's, or every rank's when tokens are
+        averaged across devices): Trainer's loss is 0/0, its gradient exactly 0 (cross-entropy with every target
+        ignored writes no gradient), and DDP still counts the rank in its average and takes the step (momentum and
+        weight decay move the parameters). Its micro-batches weigh 1 / gradient_accumulation_steps each, so the
+        window weighs what a rank's window weighs (1): the averages, and the step, are DDP's.
         """
         if not self._loss_is_scaled(num_items_in_batch):
             return share / self.current_gradient_accumulation_steps, share
         if num_items_in_batch is None:
             return 1.0, 1.0
+        if float(num_items_in_batch) == 0:
+            return share / self.current_gradient_accumulation_steps, share
         tokens = self.count_label_tokens(inputs)
         factor = 1.0
         if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
@@ -535,7 +552,7 @@ class ACCOTrainerMixin:
         factor /= float(num_items_in_batch)
         if self._paced:
             return tokens, 1.0 / factor
-        return tokens * factor, 1.0
+        return tokens * factor, share
 
     def count_label_tokens(self, inputs: dict[str, Any]) -> float:
         """The number of tokens a micro-batch's summed loss adds up: the weight its gradient gets. Override it for a

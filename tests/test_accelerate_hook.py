@@ -132,3 +132,35 @@ def test_prepare_acco_in_dynamic_mode_steps_on_its_own() -> None:
     results = run_ranks(dynamic_loop, backend=None)
     assert results[0][0] == results[1][0] <= 1
     assert all(total == 3 * ACCUM for _, total in results)  # every micro-batch counted, the last ones in finalize
+
+
+def save_copies(rank: int, world_size: int, directory: str) -> dict:
+    """The copies of model parameters each rank makes during accelerator.save_state (new tensors of a parameter's
+    size; its optimizer shard is written into shard-sized tensors)."""
+    from .test_boundary import Sizes
+
+    set_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    model, optimizer = prepare_acco(accelerator, tiny_llama(), lr=1e-2)
+    for i in range(2 * ACCUM):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch(rank, i)).loss)
+            optimizer.step()
+    engine = optimizer.optimizer
+    sizes = {p.numel() for p in model.parameters()} - {engine.layout.shard_numel, engine.layout.padded_numel}
+    with Sizes() as made:
+        accelerator.save_state(directory)
+    with engine.committed_parameters():
+        committed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    copies = [op for op, n in made.made if n in sizes and "copy_" not in op]
+    return {"copies": copies, "committed": committed}
+
+
+def test_save_state_copies_the_model_on_the_writing_process_only(tmp_path: Path) -> None:
+    """Only the main process writes the model file: the others make no copy of the model's parameters."""
+    from safetensors.torch import load_file
+
+    main, other = run_ranks(save_copies, backend=None, directory=str(tmp_path))
+    assert main["copies"] and other["copies"] == []
+    saved = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(saved[n], p) for n, p in main["committed"].items())  # the committed θ, not θ̃

@@ -169,3 +169,137 @@ def test_cuda_bf16_wire_and_bf16_accumulation_train() -> None:
     assert all(torch.isfinite(p).all() for p in got["params"])
     start = [p.detach().to(torch.bfloat16).float() for p in tiny_llama().parameters()]
     assert relative_error([p.float() for p in got["params"]], start) > 1e-3  # it trained
+
+
+# ---- the first real run's rules, on the device (issue: 8 GPUs, Trainer's defaults, a bf16 model, a resume) -------
+
+
+def _fused_engine(model: torch.nn.Module) -> ACCOOptimizer:
+    return ACCOOptimizer(
+        decay_groups(model, 0.1),
+        micro_batches=MICRO,
+        max_grad_norm=0.5,
+        fused=True,
+        communicator=DelayedCommunicator(0.0, collectives_at_world_size_1=True),
+        **HP,
+    )
+
+
+def _cuda_steps(model, opt, start: int, stop: int) -> None:
+    for t in range(start, stop):
+        for i in range(MICRO):
+            b = {k: v.cuda() for k, v in batch(0, t * MICRO + i).items()}
+            mean_loss(model, b)[0].backward()
+            opt.after_backward()
+        opt.step()
+
+
+def cuda_fused_resume(rank: int, world_size: int, directory: str) -> dict:
+    from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_llama().cuda().to(torch.bfloat16)
+    opt = _fused_engine(model)
+    _cuda_steps(model, opt, 0, 3)
+    save_optimizer_state(opt, directory)
+    _cuda_steps(model, opt, 3, 6)
+    with opt.committed_parameters():
+        straight = [p.detach().cpu().clone() for p in model.parameters()]
+    opt.close()
+    model = tiny_llama(seed=1).cuda().to(torch.bfloat16)
+    opt = _fused_engine(model)
+    load_optimizer_state(opt, directory)
+    steps = {(s["step"].device.type, s["step"].dtype) for s in opt.shard.inner.state.values()}
+    _cuda_steps(model, opt, 3, 6)  # the fused kernel takes the placed state (CPU steps would raise)
+    with opt.committed_parameters():
+        resumed = [p.detach().cpu().clone() for p in model.parameters()]
+    opt.close()
+    return {"straight": straight, "resumed": resumed, "steps": steps}
+
+
+def test_cuda_fused_adamw_resume_is_exact(tmp_path) -> None:
+    got = run_ranks(
+        cuda_fused_resume, world_size=1, backend="nccl", start_method="spawn", timeout=300, directory=str(tmp_path)
+    )[0]
+    assert got["steps"] == {("cuda", torch.float32)}  # torch's policy for fused: float32 on the device
+    assert all(torch.equal(a, b) for a, b in zip(got["straight"], got["resumed"]))
+
+
+def cuda_boundary_copies(rank: int, world_size: int) -> dict:
+    """Profile one acco step boundary: every device-to-host copy and the stream it ran on."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_llama().cuda().to(torch.bfloat16)
+    opt = _fused_engine(model)
+    _cuda_steps(model, opt, 0, 2)
+    for i in range(MICRO):  # the next step's micro-batches, then its boundary under the profiler
+        mean_loss(model, {k: v.cuda() for k, v in batch(0, 8 + i).items()})[0].backward()
+        opt.after_backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        marker = torch.full((1 << 16,), 3.0, device="cuda").neg_()  # a kernel on the main stream, to find it by
+        opt.step()
+        marker.neg_()
+        opt.synchronize()
+        torch.cuda.synchronize()
+    events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+    main = {e.device_resource_id() for e in events if "neg" in e.name().lower()}
+    dtoh = [(e.name(), e.device_resource_id()) for e in events if "DtoH" in e.name() or "Device -> Pinned" in e.name()]
+    opt.close()
+    return {"main": main, "dtoh": dtoh}
+
+
+def test_cuda_no_device_to_host_copy_on_the_main_stream_at_a_step_boundary() -> None:
+    """The boundary's model shard goes to the host on a side stream, from the commit round's thread."""
+    got = run_ranks(cuda_boundary_copies, world_size=1, backend="nccl", start_method="spawn", timeout=300)[0]
+    assert len(got["main"]) == 1, got
+    assert got["dtoh"], "the boundary's copy to the host did not run at all"
+    assert all(stream not in got["main"] for _, stream in got["dtoh"]), got
+
+
+def cuda_eval_host_memory(rank: int, world_size: int) -> dict:
+    model = tiny_llama().cuda().to(torch.bfloat16)
+    opt = _fused_engine(model)
+    _cuda_steps(model, opt, 0, 2)
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    with opt.committed_parameters():  # at a step boundary, as Trainer evaluates and saves
+        during = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    after = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    full = opt.layout.padded_numel * 2
+    opt.close()
+    return {"before": before, "during": during, "after": after, "full": full}
+
+
+def test_cuda_evaluation_at_a_step_boundary_takes_no_pinned_host_memory() -> None:
+    got = run_ranks(cuda_eval_host_memory, world_size=1, backend="nccl", start_method="spawn", timeout=300)[0]
+    assert got["during"] - got["before"] < got["full"] // 2, got
+    assert got["after"] <= got["before"], got
+
+
+def cuda_save_state_memory(rank: int, world_size: int, directory: str) -> dict:
+    from accelerate import Accelerator
+
+    from hf_acco.accelerate_hook import prepare_acco
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model, optimizer = prepare_acco(accelerator, tiny_llama().cuda(), lr=1e-3)
+    for i in range(4):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**{k: v.cuda() for k, v in batch(0, i).items()}).loss)
+            optimizer.step()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    accelerator.save_state(directory)
+    grew = torch.cuda.max_memory_allocated() - start
+    model_bytes = sum(p.nbytes for p in model.parameters())
+    optimizer.optimizer.close()
+    return {"grew": grew, "model": model_bytes}
+
+
+def test_cuda_save_state_makes_no_device_copy_of_the_model(tmp_path) -> None:
+    got = run_ranks(
+        cuda_save_state_memory, world_size=1, backend=None, start_method="spawn", timeout=300, directory=str(tmp_path)
+    )[0]
+    assert got["grew"] < got["model"] // 2, got  # the committed weights are copied to the host, not on the GPU

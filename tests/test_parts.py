@@ -121,11 +121,17 @@ def test_a_nonfinite_gradient_is_skipped_or_stops_the_round() -> None:
         _run(strict, layout, RoundKind.COMMIT, grads, hparams=hparams)
 
 
-def test_a_round_without_any_weight_is_refused_unless_it_is_a_rendezvous() -> None:
+def test_a_round_without_any_weight_hands_back_the_committed_parameters() -> None:
+    """A half with no label token anywhere: the estimate is θ. A step with none: skipped, with a warning (Trainer's
+    weights never make one: a window without a label token weighs as any other, see test_trainer_weights.py). A
+    rendezvous round in which no rank had a micro-batch: nothing to do."""
     params, layout, shard, comm, body, hparams, grads = _setup()
-    with pytest.raises(ValueError, match="global weight of an ACCO round is 0"):
-        _run(body, layout, RoundKind.COMMIT, grads, weight=0.0, hparams=hparams)
     master = shard.master.clone()
+    result, buf = _run(body, layout, RoundKind.ESTIMATE, grads, weight=0.0, hparams=hparams)
+    assert not result.skipped and torch.equal(buf[: master.numel()], master)
+    with pytest.warns(UserWarning, match="no weight on any rank"):
+        result, buf = _run(body, layout, RoundKind.COMMIT, grads, weight=0.0, hparams=hparams)
+    assert result.skipped and torch.equal(shard.master, master) and torch.equal(buf[: master.numel()], master)
     result, buf = _run(body, layout, RoundKind.COMMIT, grads, weight=0.0, joined=1.0, hparams=hparams)
     assert torch.equal(shard.master, master) and torch.equal(buf[: master.numel()], master)
     assert result.joined == 1 and result.grad_norm == 0.0

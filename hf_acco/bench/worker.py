@@ -267,7 +267,7 @@ def comm_alone(model, traffic: Traffic, repeats: int) -> dict[str, float | None]
         out[f"{name}_s"] = statistics.median(seconds[1:])
         out[f"{name}_bytes"] = statistics.median(sent[1:]) if sent else None
         out[f"{name}_cpu_s"] = statistics.median(cpu[1:])
-        dist.destroy_process_group(comm.group)
+        comm.destroy()
     out["numel"] = float(sum(p.numel() for p in params))
     return out
 
@@ -369,8 +369,7 @@ def train_run(
                 step_ended(opt)
     if ddp is None:
         opt.finalize()  # the model holds the committed parameters
-        opt.close()
-        dist.destroy_process_group(opt.comm.group)
+        opt.close()  # its process groups too
     cpu1, wall = time.process_time(), time.perf_counter() - t0
     dist.barrier()
     sent1 = traffic.read()

@@ -20,15 +20,27 @@ from hf_acco import ACCOConfig, ACCOTrainer
 VOCAB, SEQ = 64, 16
 
 
-def make_dataset(n: int, seed: int) -> Dataset:
+def make_dataset(n: int, seed: int, masked: bool = True, empty: tuple[int, ...] = ()) -> Dataset:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     ids[:, 1::2] = (ids[:, 0::2] * 3 + 1) % VOCAB  # a learnable pattern
     labels = ids.clone()
     prompt = torch.randint(1, SEQ // 2, (n,), generator=g)
     for i in range(n):
-        labels[i, : prompt[i]] = -100  # masked prompts: uneven token counts per micro-batch
+        if masked:
+            labels[i, : prompt[i]] = -100  # masked prompts: uneven token counts per micro-batch
+        if i in empty:
+            labels[i] = -100  # no label token at all (completion-only loss, truncated)
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+class MeanLossLlama(LlamaForCausalLM):
+    """Takes Trainer's loss kwargs (``**kwargs``) but returns the mean loss of its batch: it ignores
+    ``num_items_in_batch``, as many custom models do."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        kwargs.pop("num_items_in_batch", None)
+        return super().forward(input_ids=input_ids, labels=labels, **kwargs)
 
 
 class LogKeys(TrainerCallback):
@@ -115,12 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--user_optimizer", action="store_true", help="pass an AdamW instance and a LambdaLR")
     parser.add_argument("--iterable", action="store_true", help="the training data as a streamed IterableDataset")
+    parser.add_argument("--unmasked", action="store_true", help="every token is a label (no masked prompts)")
+    parser.add_argument("--empty_examples", default="", help="comma-separated training examples with no label token")
+    parser.add_argument("--mean_loss_model", action="store_true", help="a model that ignores num_items_in_batch")
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
     trainer_cls, args_cls = (ACCOTrainer, ACCOConfig) if cli.acco else (Trainer, TrainingArguments)
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
+    model = (MeanLossLlama if cli.mean_loss_model else LlamaForCausalLM)(
         LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
     )  # fmt: skip
@@ -171,12 +186,12 @@ def main(argv: list[str] | None = None) -> dict:
     if cli.user_optimizer:  # the user's own optimizer and schedule (one group, their settings)
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.05)
         optimizers = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.5 * step)))
+    empty = tuple(int(i) for i in cli.empty_examples.split(",") if i)
+    train_data = make_dataset(cli.train_size, 1, masked=not cli.unmasked, empty=empty)
     trainer = trainer_cls(
         model=model,
         args=args,
-        train_dataset=make_dataset(cli.train_size, 1).to_iterable_dataset()
-        if cli.iterable
-        else make_dataset(cli.train_size, 1),
+        train_dataset=train_data.to_iterable_dataset() if cli.iterable else train_data,
         eval_dataset=make_dataset(32, 2),
         callbacks=callbacks,
         optimizers=optimizers,

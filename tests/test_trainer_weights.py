@@ -1,0 +1,100 @@
+"""Token weights at zero and at 2x: scripts written for Trainer+DDP, with the classes swapped, train as they did.
+
+Trainer+DDP (transformers 5.24), on a window with no label token: ``num_items_in_batch`` is 0, the loss 0/0 (NaN,
+logged as 0 by the NaN filter), its gradient exactly 0 (cross-entropy writes no gradient for ignored targets), and
+the step is taken: DDP averages over every rank, and AdamW's momentum and weight decay move the parameters.
+``sync`` (ZeRO-1) must end where DDP ends; ``acco`` must train through (no error) and stay close.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from .scripts import trainer_script
+from .test_trainer import flat, losses, rel, train
+
+# Sequential order, 2 ranks x 2 rows per micro-batch: micro-batch k of rank r holds examples 4k + 2r and 4k + 2r + 1.
+SEQUENTIAL = {"train_sampling_strategy": "sequential", "gradient_accumulation_steps": 2}
+CASES = {
+    # step 2 (micro-batches 2 and 3): no label token on any rank
+    "a step without labels": ({**SEQUENTIAL}, "8,9,10,11,12,13,14,15"),
+    # step 2's first micro-batch (acco's half A) has none on any rank, its second has some
+    "a half without labels": ({**SEQUENTIAL}, "8,9,10,11"),
+    # tokens not averaged across devices: rank 1's whole window of step 2 has none, rank 0's has some
+    "one rank's window without labels": ({**SEQUENTIAL, "average_tokens_across_devices": False}, "10,11,14,15"),
+}
+
+
+def grad_norms(result: dict) -> list[float]:
+    return [h.get("grad_norm") for h in result["log_history"] if "loss" in h]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory) -> tuple[str, dict, str, list[dict]]:
+    extra, empty = CASES[request.param]
+    ddp = train(tmp_path_factory.mktemp("ddp"), acco=False, max_steps=6, empty_examples=empty, extra=extra)
+    return request.param, extra, empty, ddp
+
+
+def test_sync_matches_trainer_ddp_without_label_tokens(tmp_path: Path, case) -> None:
+    name, extra, empty, ddp = case
+    ours = train(tmp_path, acco=True, max_steps=6, empty_examples=empty, extra={**extra, "acco_schedule": "sync"})
+    assert losses(ours[0]) == pytest.approx(losses(ddp[0]), rel=1e-5)
+    assert grad_norms(ours[0]) == pytest.approx(grad_norms(ddp[0]), rel=1e-4, abs=1e-7)
+    assert rel(flat(ours[0]["params"]), flat(ddp[0]["params"])) < 1e-6
+    assert all(torch.isfinite(p).all() for p in ours[0]["params"].values())
+    if name == "a step without labels":  # DDP logs 0 there; the step still moved the parameters (weight decay)
+        assert losses(ddp[0])[1] == 0.0 and grad_norms(ddp[0])[1] == 0.0
+
+
+def test_acco_trains_through_without_label_tokens(tmp_path: Path, case) -> None:
+    name, extra, empty, ddp = case
+    ours = train(tmp_path, acco=True, max_steps=6, empty_examples=empty, extra=extra)
+    assert all(torch.isfinite(p).all() for p in ours[0]["params"].values())
+    assert torch.equal(flat(ours[0]["params"]), flat(ours[1]["params"]))
+    first = [a for a, b in zip(losses(ours[0]), losses(ddp[0])) if b > 0]
+    gaps = [abs(a - b) / b for a, b in zip(first, [b for b in losses(ddp[0]) if b > 0])]
+    assert max(gaps) < 0.01, gaps
+    assert rel(flat(ours[0]["params"]), flat(ddp[0]["params"])) < 1e-2
+
+
+def test_a_split_micro_batch_of_a_mean_loss_model_counts_once(tmp_path: Path) -> None:
+    """acco with gradient_accumulation_steps=1 splits each micro-batch into two halves. A model that takes Trainer's
+    loss kwargs but returns a mean: the step's loss, gradient norm and update are Trainer+DDP's, not twice them.
+    Step 1 of acco equals DDP's step 1 (both halves compute at θ_0); its norm is logged at step 2."""
+    options = {"max_steps": 2, "mean_loss_model": True, "unmasked": True, "extra": {"gradient_accumulation_steps": 1}}
+    ddp = train(tmp_path / "ddp", acco=False, **options)
+    ours = train(tmp_path / "acco", acco=True, **{**options, "max_steps": 1})
+    assert losses(ours[0])[0] == pytest.approx(losses(ddp[0])[0], rel=1e-5)
+    two = train(tmp_path / "acco2", acco=True, **options)
+    assert grad_norms(two[0])[1] == pytest.approx(grad_norms(ddp[0])[0], rel=1e-4)
+    one_step = train(tmp_path / "ddp1", acco=False, **{**options, "max_steps": 1})
+    assert rel(flat(ours[0]["params"]), flat(one_step[0]["params"])) < 1e-5
+
+
+def test_training_step_outside_train_is_trainers(tmp_path: Path) -> None:
+    """A one-step check, as users and transformers' own tests write it: the loss and the gradients of Trainer's
+    training_step (no ACCO engine before train())."""
+    from transformers import LlamaConfig, Trainer, TrainingArguments
+
+    from hf_acco import ACCOConfig, ACCOTrainer
+
+    results = []
+    for trainer_cls, args_cls in ((Trainer, TrainingArguments), (ACCOTrainer, ACCOConfig)):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+        config.num_attention_heads = config.num_key_value_heads = 2
+        config.max_position_embeddings = 16
+        model = trainer_script.LlamaForCausalLM(config)
+        args = args_cls(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=2)
+        data = trainer_script.make_dataset(8, 1)
+        trainer = trainer_cls(model=model, args=args, train_dataset=data)
+        inputs = trainer.data_collator([data[i] for i in range(2)])
+        tokens = (inputs["labels"][:, 1:] != -100).sum()  # as Trainer counts num_items_in_batch
+        loss = trainer.training_step(trainer.model, inputs, tokens)
+        results.append((loss, [p.grad.clone() for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
