@@ -3,6 +3,7 @@
     python benchmarks/engine.py overlap            # step time of acco vs sync with a slowed round
     python benchmarks/engine.py bytes              # bytes one round moves on gloo, per reduce-scatter spelling
     python benchmarks/engine.py memory             # peak resident memory per rank, acco vs sync
+    python benchmarks/engine.py lifecycle          # peak RSS per rank: train, evaluate, save, resume 4 -> 2 ranks
     python benchmarks/engine.py overlap --device cuda --world-size 1   # the CUDA side-stream path on one GPU
 
 Each prints a Markdown table and writes JSON next to ``--out``. Medians of repeated steps; settings measured
@@ -253,6 +254,65 @@ def cmd_memory(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def lifecycle_rank(rank: int, world_size: int, hidden: int, layers: int, directory: str, load: bool) -> dict:
+    """Peak RSS after each phase: build and train 3 steps, evaluate (committed parameters), save, or (``load``)
+    build and resume from ``directory``, then one more step."""
+    from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state
+
+    torch.set_num_threads(1)
+    model = build_model(hidden, layers, vocab=4096)
+    g = torch.Generator().manual_seed(rank)
+    opt = ACCOOptimizer(model.parameters(), lr=1e-4, micro_batches=2, bucket_numel=1 << 22)
+    phases = {"built": _rss()}
+
+    def step() -> None:
+        for _ in range(2):
+            _micro_batch(model, torch.device("cpu"), g, 1, 32)
+            opt.after_backward()
+        opt.step()
+
+    if load:
+        load_optimizer_state(opt, directory)
+        phases["resumed"] = _rss()
+        step()
+        phases["stepped"] = _rss()
+    else:
+        for _ in range(3):
+            step()
+        phases["trained"] = _rss()
+        with opt.committed_parameters():
+            sum(float(p.detach().sum()) for p in model.parameters())  # an evaluation reads the parameters
+        phases["evaluated"] = _rss()
+        save_optimizer_state(opt, directory)
+        phases["saved"] = _rss()
+    numel = opt.layout.numel
+    opt.close()
+    return {"rank": rank, "world_size": world_size, "numel": numel, "peak_rss_bytes": phases}
+
+
+def cmd_lifecycle(args: argparse.Namespace) -> list[dict]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        kw = {"hidden": args.hidden, "layers": args.layers, "directory": directory, "timeout": 1800}
+        saved = run_ranks(lifecycle_rank, world_size=4, load=False, **kw)
+        resumed = run_ranks(lifecycle_rank, world_size=2, load=True, **kw)
+    numel = saved[0]["numel"]
+    print(f"trainable parameters: {numel / 1e6:.1f} M; one fp32 full-size vector = {numel * 4 / 1e6:.1f} MB")
+    print("| ranks | rank | phase | peak RSS (MB) |")
+    print("|---|---|---|---|")
+    for r in saved + resumed:
+        for phase, rss in r["peak_rss_bytes"].items():
+            print(f"| {r['world_size']} | {r['rank']} | {phase} | {rss / 1e6:.0f} |")
+    return saved + resumed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -275,8 +335,13 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default="outputs/bench_memory.json")
+    p = sub.add_parser("lifecycle", help="peak RSS per rank: train, evaluate, save, a 4 -> 2 re-sharding resume")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--out", default="outputs/bench_lifecycle.json")
     args = parser.parse_args()
-    rows = {"overlap": cmd_overlap, "bytes": cmd_bytes, "memory": cmd_memory}[args.command](args)
+    commands = {"overlap": cmd_overlap, "bytes": cmd_bytes, "memory": cmd_memory, "lifecycle": cmd_lifecycle}
+    rows = commands[args.command](args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if os.environ.get("HF_ACCO_IN_NETNS") == "1" or args.command != "bytes":
         Path(args.out).write_text(json.dumps(rows, indent=2))

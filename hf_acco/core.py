@@ -399,7 +399,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         micro-batches of the unfinished step are not in it, and a resumed run computes them again.
         """
         self.synchronize()  # the master shard is final once the commit round in flight has finished
-        state = self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams(), self._model_moved)
+        moved, held = self._model_moved, self._eval_backup  # in eval, the training parameters wait in ``held``
+        state = self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams(), moved, held)
         state["stats"] = self.stats.state_dict()
         # torch's keys too, for tools and callbacks that read them (``param_groups``: the hyper-parameters, each
         # parameter by its index, as torch numbers them). The per-element state is sharded: it is in

