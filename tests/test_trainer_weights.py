@@ -120,3 +120,33 @@ def test_save_model_loads_the_committed_parameters_on_the_writing_rank_only(tmp_
     writer, other = run_ranks(_counting_evals, world_size=2, backend=None, argv=argv, timeout=180)
     assert writer["evals"] >= 3 and other["evals"] == 0  # two checkpoints and the final save_model
     assert torch.equal(flat(writer["params"]), flat(other["params"]))
+
+
+def _custom_optimizer(rank: int, world_size: int, out: str) -> dict:
+    """transformers' test_custom_optimizer, with the classes swapped: the user's SGD at lr 1.0 and a constant
+    schedule, then ``trainer.optimizer.state_dict()["param_groups"][0]["lr"]``."""
+    from transformers import LlamaConfig
+
+    from hf_acco import ACCOConfig, ACCOTrainer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    config.num_attention_heads = config.num_key_value_heads = 2
+    model = trainer_script.LlamaForCausalLM(config)
+    args = ACCOConfig(output_dir=out, use_cpu=True, report_to=[], max_steps=2, gradient_accumulation_steps=2)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)
+    data = trainer_script.make_dataset(16, 1)
+    trainer = ACCOTrainer(model=model, args=args, train_dataset=data, optimizers=(sgd, schedule))
+    trainer.train()
+    state = trainer.optimizer.state_dict()
+    return {"keys": sorted(state), "groups": state["param_groups"], "trainable": len(list(model.parameters()))}
+
+
+def test_the_optimizer_state_dict_has_torchs_keys(tmp_path: Path) -> None:
+    from hf_acco.multiprocess import run_ranks
+
+    (got,) = run_ranks(_custom_optimizer, world_size=1, backend=None, out=str(tmp_path), timeout=120)
+    assert {"state", "param_groups", "master", "optim_state"} <= set(got["keys"])
+    assert got["groups"][0]["lr"] == 1.0
+    assert sorted(i for g in got["groups"] for i in g["params"]) == list(range(got["trainable"]))
