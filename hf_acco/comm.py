@@ -62,6 +62,31 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
 
 
+def gloo_failure(error: BaseException) -> str:
+    """What to do when a gloo group of ACCO's (the round's counts go over gloo on the host, also on NCCL) cannot be
+    set up: the interface gloo binds and the address it resolved, and what to set."""
+    import socket
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        where = f"GLOO_SOCKET_IFNAME={interface!r}"
+    else:
+        host = socket.gethostname()
+        try:
+            address = socket.gethostbyname(host)
+        except OSError:
+            address = "no address"
+        where = f"GLOO_SOCKET_IFNAME unset: the address of the hostname {host!r} ({address})"
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    return (
+        f"ACCO could not set up its gloo group on rank {rank} ({where}): {type(error).__name__}: {error}. ACCO sends "
+        "each round's counts over gloo (TCP between the hosts), also when the gradients go over NCCL. Set "
+        "GLOO_SOCKET_IFNAME on every node to the network interface the nodes reach each other on (`ip -br addr`; "
+        "often the one NCCL_SOCKET_IFNAME names), and let TCP through between the nodes: the rendezvous port "
+        "(MASTER_PORT) and the ephemeral ports gloo listens on."
+    )
+
+
 def round_group_options(backend: str) -> Any:
     """Options of the round's own process group: on NCCL its stream gets high priority, so that the round's
     collectives are scheduled ahead of the compute kernels queued beside them (the round is what hides behind
@@ -144,13 +169,21 @@ class Communicator:
         """The round's group (and a gloo host group for the counts when the round's is not gloo). Collective: every
         rank, in the same order as its other groups."""
         ranks, timeout = self._ranks, self.timeout
-        self.group = dist.new_group(ranks=ranks, timeout=timeout, pg_options=round_group_options(backend))
+        try:
+            self.group = dist.new_group(ranks=ranks, timeout=timeout, pg_options=round_group_options(backend))
+        except (RuntimeError, dist.DistError) as e:
+            if backend != "gloo":
+                raise
+            raise RuntimeError(gloo_failure(e)) from e
         self.backend = dist.get_backend(self.group)
         # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
         # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
         self.host_group = self.group
         if self.backend != "gloo":
-            self.host_group = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
+            try:
+                self.host_group = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
+            except (RuntimeError, dist.DistError) as e:
+                raise RuntimeError(gloo_failure(e)) from e
         atexit.register(self._destroy_at_exit)
         self.destroyed = False
 

@@ -109,3 +109,21 @@ def test_only_an_nccl_round_group_gets_options() -> None:
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch build has no NCCL")
 def test_the_rounds_nccl_group_has_a_high_priority_stream() -> None:
     assert round_group_options("nccl").is_high_priority_stream
+
+
+def build_with_interface(rank: int, world_size: int, interface: str) -> str:
+    import os
+
+    os.environ["GLOO_SOCKET_IFNAME"] = interface  # read by gloo when a group is made: after the default group
+    try:
+        ACCOOptimizer(tiny_llama().parameters(), micro_batches=2, lr=1e-3).close()
+        return "built"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_a_gloo_group_that_cannot_be_made_names_the_interface() -> None:
+    """A wrong network interface: every rank fails at once with what to set, not a bare gloo error."""
+    for message in run_ranks(build_with_interface, interface="hfacco-none0", timeout=60):
+        assert "GLOO_SOCKET_IFNAME='hfacco-none0'" in message and "Unable to find address" in message, message
+        assert "set GLOO_SOCKET_IFNAME on every node" in message.replace("Set", "set")
