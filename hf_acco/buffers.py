@@ -37,15 +37,15 @@ COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bf
 def parse_comm_dtype(
     value: str | torch.dtype, what: str = "comm_dtype", params: Sequence[torch.Tensor] = ()
 ) -> torch.dtype:
-    """``"fp32"`` / ``"bf16"`` (or the torch dtypes) as a torch dtype; ``"auto"``: the model's floating dtype (that of
-    ``params``, fp32 when they differ), as DDP all-reduces a model's gradients in its own dtype and DeepSpeed's
-    ``communication_data_type`` defaults to it. Anything else is refused."""
+    """``"fp32"`` / ``"bf16"`` (or the torch dtypes) as a torch dtype; ``"auto"``: bf16 for a bf16 model (all of
+    ``params`` bf16), else fp32, as DDP all-reduces a bf16 model's gradients in bf16 and DeepSpeed's
+    ``communication_data_type`` defaults to the model's dtype. Anything else is refused."""
     if isinstance(value, torch.dtype) and value in COMM_DTYPES.values():
         return value
     if isinstance(value, str) and value in COMM_DTYPES:
         return COMM_DTYPES[value]
-    if value == "auto" and params:
-        return model_dtype(params)
+    if value == "auto" and params:  # fp16 has no loss scaling here: its gradients go in fp32
+        return torch.bfloat16 if model_dtype(params) == torch.bfloat16 else torch.float32
     raise ValueError(f"{what} must be 'auto', 'fp32' or 'bf16', got {value!r}")
 
 

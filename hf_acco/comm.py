@@ -87,7 +87,7 @@ def gloo_failure(error: BaseException) -> str:
     )
 
 
-def round_group_options(backend: str) -> Any:
+def round_group_options(backend: str, timeout: datetime.timedelta | None = None) -> Any:
     """Options of the round's own process group: on NCCL its stream gets high priority, so that the round's
     collectives are scheduled ahead of the compute kernels queued beside them (the round is what hides behind
     compute; a collective held back by a queue of compute kernels holds up every rank)."""
@@ -95,6 +95,8 @@ def round_group_options(backend: str) -> Any:
         return None
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
+    if timeout is not None:  # else torch warns that the options' own (10 min) and the group's timeouts differ
+        options._timeout = timeout
     return options
 
 
@@ -170,7 +172,8 @@ class Communicator:
         rank, in the same order as its other groups."""
         ranks, timeout = self._ranks, self.timeout
         try:
-            self.group = dist.new_group(ranks=ranks, timeout=timeout, pg_options=round_group_options(backend))
+            options = round_group_options(backend, timeout)
+            self.group = dist.new_group(ranks=ranks, timeout=timeout, pg_options=options)
         except (RuntimeError, dist.DistError) as e:
             if backend != "gloo":
                 raise
@@ -367,6 +370,7 @@ class RoundHandle:
 
     future: Future
     launched_at: float = field(default_factory=time.perf_counter)
+    failed_event: Any = None  # on CUDA, a round that raised: recorded after the work it had queued
 
     def done(self) -> bool:
         if not self.future.done():
@@ -375,7 +379,12 @@ class RoundHandle:
         return event is None or event.query()
 
     def wait(self) -> Any:
-        result, event = self.future.result()  # re-raises an exception of the round
+        try:
+            result, event = self.future.result()  # re-raises an exception of the round
+        except BaseException:
+            if self.failed_event is not None:  # a caller that goes on must not touch what the failed round used
+                torch.cuda.current_stream().wait_event(self.failed_event)
+            raise
         if event is not None:
             torch.cuda.current_stream().wait_event(event)  # main stream reads what the round wrote
         return result
@@ -424,21 +433,28 @@ class RoundRunner:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self._stream.device))
 
+        future: Future = Future()
+        handle = RoundHandle(future)
+
         def run() -> tuple[Any, torch.cuda.Event | None]:
             if self._stream is None:
                 return fn(), None
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(ready)
-                result = fn()
+                try:
+                    result = fn()
+                except BaseException:
+                    handle.failed_event = torch.cuda.Event()  # set before the future takes the exception
+                    handle.failed_event.record(self._stream)
+                    raise
                 done = torch.cuda.Event()
                 done.record(self._stream)
             return result, done
 
         if not self._thread.is_alive():
             raise RuntimeError("This ACCO optimizer was closed: build a new one to train again.")
-        future: Future = Future()
         self._queue.put((future, run))
-        return RoundHandle(future)
+        return handle
 
     def shutdown(self) -> None:
         """Finish the queued rounds and stop the thread."""

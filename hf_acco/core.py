@@ -96,7 +96,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         max_grad_norm (`float`, *optional*): clip the averaged gradient to this global norm.
         warmup_steps (`int`, defaults to 0): synchronous steps before the schedule starts.
         group (`ProcessGroup`, *optional*): ranks to train over; ``None`` is the world.
-        communicator (`Communicator`, *optional*): injected collectives (tests wrap it to slow rounds down).
+        communicator (`Communicator`, *optional*): injected collectives (tests wrap it to slow rounds down); the
+            engine owns it: ``close()`` destroys its process groups, ``reopen()`` makes new ones.
         bucket_numel (`int`, *optional*): elements per communication bucket; default: about 16 buckets of
             256 KiB to 16 MiB each on gloo (several in flight keep the link busy both ways), 16 MiB to 1 GiB on NCCL.
         allow_custom_optimizer (`bool`): accept an ``optimizer_cls`` not known to be element-wise.
@@ -185,6 +186,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._model_moved = False  # the model no longer holds the last boundary's parameters (acco, after A→B)
         self.step_count = 0  # committed optimizer steps launched
         self._in_eval, self._eval_backup = False, None  # committed θ loaded for evaluation; what it replaced
+        self._backup_in_accum = False  # the replaced parameters wait in the accumulation buffer (at a step boundary)
         self._closed = False
         self._joined = False  # in a rendezvous: this rank computes nothing until every rank has joined
         self._restart_step()
@@ -300,6 +302,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
             # buffer (free there, and no narrower than the model's dtype); in the middle of a step (half A holds
             # gradients there: hand-written loops only, Trainer evaluates and saves at step boundaries) on the host
             at_boundary = not (self._half_count or self._step_counts or self.buffers.hook_calls)
+            self._backup_in_accum = at_boundary
             self._eval_backup = self.buffers.model_to_accum() if at_boundary else self.buffers.model_to_host()
             self.buffers.load_round_output()
         self._in_eval = self.buffers.evaluating = True
@@ -310,7 +313,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
             return
         if self._eval_backup is not None:
             self.buffers.load_into_model(self._eval_backup)
-            if self._eval_backup is self.buffers.accum:
+            if self._backup_in_accum:
                 self.buffers.release_accum()
             self._eval_backup = None
         self._in_eval = self.buffers.evaluating = False
@@ -420,6 +423,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         Every rank validates its input first and the ranks agree before anything is changed: a bad shard on
         one rank raises on every rank (instead of leaving the others waiting in a collective).
         """
+        if self._closed:
+            raise RuntimeError("This ACCO optimizer was closed: reopen() it (collective) before loading a state.")
         self.synchronize()  # before any collective of the main thread on the round's group: a round in flight
         error = None  # issues its own, and two threads issuing collectives on one group can pair them wrongly
         try:
@@ -455,6 +460,9 @@ class ACCOOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _boundary_estimate_to_correction(self) -> None:
+        # A boundary in eval mode (paced: a rank that reaches it before its next micro-batch, right after an
+        # evaluation) first gives the model back what training computes with: the accumulation buffer may hold it
+        self.train()
         # (a) wait for the commit round of the previous step and (b) load θ_t: half B computes at θ_t.
         self._model_moved |= self.rounds.current is not None
         self._wait_and_load()
@@ -467,6 +475,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _end_step(self) -> None:
         """The B→A boundary: launch the commit round of this step with G_A + G_B (see ``STEP_END``)."""
+        self.train()  # as at the A→B boundary: never hand a round the buffer that holds the training parameters
         empty_allowed = self._joined or self.accumulation is Accumulation.PACED  # the peers' micro-batches make it
         if self.phase is Phase.ESTIMATE:  # short window: half A was all there was, half B is empty
             if self._half_count == 0 and not empty_allowed:
@@ -502,6 +511,8 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._half_count, self._half_weight = 0, 0.0
 
     def _launch(self, kind: RoundKind, weight: float, micro_batches: int, swap: bool, capture: bool = False) -> None:
+        if self._in_eval:
+            raise AssertionError("a round launched in eval mode")  # invariant: accum may hold the parameters then
         label = f"{kind.value} round {self.step_count}"
         # hyper-parameters as of launch: schedulers mutate them
         before = self._boundary.capture if capture else None

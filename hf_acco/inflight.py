@@ -57,10 +57,11 @@ class RoundsInFlight:
 
         def run() -> RoundResult:
             copied = before() if before is not None else None
-            result = self.body(kind, grads, params, counts, hparams, everyone_in, label)
-            if copied is not None:
-                torch.cuda.current_stream().wait_event(copied)  # the round stream; before its ``done``
-            return result
+            try:
+                return self.body(kind, grads, params, counts, hparams, everyone_in, label)
+            finally:  # the round stream waits for the copy before its ``done`` (or failure) event, whatever happens
+                if copied is not None:
+                    torch.cuda.current_stream().wait_event(copied)
 
         inflight.handle = self.runner.launch(run)
         self.current = inflight

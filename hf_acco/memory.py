@@ -19,7 +19,8 @@ the shard optimizer's master and per-element state, the boundary's model shard (
   cannot reuse them, so they count as held for the run. Peak = persistent + that pool + the largest temporary of
   the main thread (none of shard size: the boundary's model shard goes to the host straight from the model).
 * Host: acco's copy of the boundary's model shard (in the model's dtype, pinned on a GPU: a checkpoint written in
-  the middle of a step still describes the boundary); per node with ``--gpus_per_node``. Evaluation and saving at a
+  the middle of a step still describes the boundary; torch's pinned allocator rounds each block up to a power of
+  2, which the per-rank total counts); per node with ``--gpus_per_node``. Evaluation and saving at a
   step boundary keep the training parameters in the accumulation buffer (free there): nothing on the host; in the
   middle of a step (hand-written loops) a copy of the model in its dtype on the host. A resume stages through the
   accumulation buffer; a re-sharding resume reads each rank's new ranges from memory-mapped files (its shard's
@@ -72,7 +73,8 @@ class MemoryReport:
 
     @property
     def host_bytes(self) -> int:
-        return sum(self.host.values())
+        """Pinned host memory per rank as torch's pinned allocator takes it: each block rounded up to a power of 2."""
+        return sum(1 << (n - 1).bit_length() if n else 0 for n in self.host.values())
 
 
 def estimate_temporaries(optimizer: str, narrow_output: bool) -> int:
@@ -184,7 +186,7 @@ def table(
     lines += [f"| **peak** (persistent + the pool's largest) | **{_gb(report.peak_bytes)}** |", ""]
     lines += ["| on the host | GB (GiB) |", "|---|---|"]
     lines += [f"| {k} | {_gb(n)} |" for k, n in report.host.items()]
-    lines += [f"| **pinned per rank** | **{_gb(report.host_bytes)}** |"]
+    lines += [f"| **pinned per rank** (blocks rounded up to a power of 2 by torch) | **{_gb(report.host_bytes)}** |"]
     lines += [f"| **pinned per node** ({gpus_per_node} GPUs) | **{_gb(report.host_bytes * gpus_per_node)}** |"]
     lines += [f"| only while it happens: {k} | {_gb(n)} |" for k, n in report.host_transient.items()]
     lines += ["", "| baseline | persistent GB (GiB) |", "|---|---|"]

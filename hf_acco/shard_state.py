@@ -84,8 +84,13 @@ class ShardCheckpoint:
     def model_shard(self, moved: bool, held: torch.Tensor | None = None) -> torch.Tensor:
         """The boundary's model shard on the host: the copy when the model has moved on since, else the model's;
         ``held``: where the model's own parameters wait while it holds others (evaluation), flat."""
-        if held is not None:
-            return self.layout.shard_of(held, self.comm.rank).to("cpu", self.param_dtype)
+        if held is not None:  # bucket by bucket: no shard-sized temporary on the device
+            out = torch.empty(self.layout.shard_numel, dtype=self.param_dtype)
+            for b in range(self.layout.num_buckets):
+                out[b * self.layout.chunk : (b + 1) * self.layout.chunk].copy_(
+                    self.layout.piece(held, b, self.comm.rank)
+                )
+            return out
         if moved:
             if not self.captured:
                 raise AssertionError("the model moved mid-step without a copy of its boundary state")
@@ -175,8 +180,9 @@ def shard_getter(
         return lambda v: layout.shard_of(layout.pad(v.cpu()), rank).to(device)  # padded on the host
     if saved_world != layout.world_size or state_dict["layout"]["chunk"] != layout.chunk:
         raise ValueError(
-            f"This optimizer shard was written by a run with {saved_world} ranks; this run has "
-            f"{layout.world_size}. Load every rank's shard and pass consolidate_state_dicts(shards) (or use "
+            f"This optimizer shard was written by a run with {saved_world} ranks and chunks of "
+            f"{state_dict['layout']['chunk']} elements; this run has {layout.world_size} and {layout.chunk}. "
+            "Load every rank's shard and pass consolidate_state_dicts(shards) (or use "
             "hf_acco.checkpoint.load_optimizer_state, which does it) to re-shard."
         )
     if state_dict["rank"] != rank:

@@ -150,3 +150,32 @@ def state_in_eval(rank: int, world_size: int, schedule: str) -> bool:
 @pytest.mark.parametrize("schedule", ["acco", "dpu"])
 def test_a_state_dict_taken_while_evaluating_describes_the_boundary(schedule: str) -> None:
     assert all(run_ranks(state_in_eval, schedule=schedule))
+
+
+def paced_boundary_in_eval(rank: int, world_size: int, evaluate: bool) -> list[torch.Tensor]:
+    """Paced steps (ACCOTrainer's dynamic mode): rank 1 computes nothing in step 2, and reaches its boundaries right
+    after an evaluation, before any micro-batch would have called train()."""
+    model = tiny_llama()
+    opt = ACCOOptimizer(decay_groups(model, 0.1), accumulation="paced", max_grad_norm=0.5, **HP)
+    for t in range(4):
+        idle = rank == 1 and t == 2
+        if evaluate and t == 2:
+            opt.eval()  # at a step boundary: the training parameters wait in the accumulation buffer
+        for half in range(2):
+            if not idle:
+                if evaluate and t == 2:
+                    opt.train()
+                mean_loss(model, batch(rank, 4 * t + half))[0].backward()
+                opt.after_backward()
+            opt.end_half() if half == 0 else opt.end_step()
+    with opt.committed_parameters():
+        out = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return out
+
+
+def test_a_paced_boundary_right_after_an_evaluation_trains_as_without_it() -> None:
+    plain = run_ranks(paced_boundary_in_eval, evaluate=False)
+    evaluated = run_ranks(paced_boundary_in_eval, evaluate=True)
+    for a, b in zip(plain, evaluated):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

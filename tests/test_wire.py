@@ -114,6 +114,7 @@ def test_the_default_wire_is_the_models_dtype() -> None:
     assert parse_comm_dtype("auto", params=[bf16, bf16]) is torch.bfloat16
     assert parse_comm_dtype("auto", params=[fp32]) is torch.float32
     assert parse_comm_dtype("auto", params=[bf16, fp32]) is torch.float32  # a LoRA adapter in fp32 on a bf16 base
+    assert parse_comm_dtype("auto", params=[bf16.half()]) is torch.float32  # fp16: no loss scaling on the wire
     assert parse_comm_dtype("fp32", params=[bf16]) is torch.float32  # still selectable
     from hf_acco import ACCOConfig
 
