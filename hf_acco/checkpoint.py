@@ -8,8 +8,10 @@ under the real name.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -80,16 +82,65 @@ def shard_files(directory: str | os.PathLike) -> dict[int, dict[int, Path]]:
     return found
 
 
-def missing_shards(directory: str | os.PathLike) -> str | None:
-    """Why the shard set in ``directory`` is incomplete, or None if one world size has all its ranks."""
+def missing_shards(
+    directory: str | os.PathLike, world_size: int | None = None, ranks: list[int] | None = None
+) -> str | None:
+    """Why the shard set in ``directory`` is incomplete for ``ranks`` of a run on ``world_size`` ranks (every rank's
+    shard when they are not given, or when the checkpoint has another world size: re-sharding reads them all), or
+    None. A per-node checkpoint (``save_on_each_node``, no shared file system) holds only its node's ranks."""
     found = shard_files(directory)
     if not found:
         return "the ACCO optimizer shards acco_optimizer_rank*_of_*.pt (written by plain Trainer, or save_only_model?)"
     if len(found) > 1:
         return f"a single set of optimizer shards (it has several world sizes {sorted(found)})"
     ((world, files),) = found.items()
-    missing = sorted(set(range(world)) - set(files))
+    needed = set(range(world)) if ranks is None or world != world_size else set(ranks)
+    missing = sorted(needed - set(files))
+    if missing and world_size is not None and world != world_size:
+        return (
+            f"the optimizer shards of ranks {missing} (of {world}), which a resume on {world_size} ranks needs: a "
+            "per-node checkpoint (save_on_each_node=True)? Gather every node's shards into one directory first "
+            "(python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...), or resume on the same number of ranks"
+        )
     return f"the optimizer shards of ranks {missing} (of {world})" if missing else None
+
+
+def gather_shards(sources: list[str | os.PathLike], into: str | os.PathLike) -> list[Path]:
+    """Copy the optimizer shards of per-node checkpoints (``save_on_each_node``) into one directory, which then
+    resumes on any number of ranks. Refuses sources of several world sizes, or a set that still lacks a rank."""
+    into = Path(into)
+    into.mkdir(parents=True, exist_ok=True)
+    found: dict[int, dict[int, Path]] = {}
+    for source in [into, *sources]:  # what ``into`` holds already (one node's own) counts; the sources add theirs
+        for world, files in shard_files(source).items():
+            found.setdefault(world, {}).update(files)
+    if len(found) != 1:
+        raise ValueError(
+            f"Need the shards of one run: found world sizes {sorted(found)} in {[str(s) for s in sources]}."
+        )
+    ((world, files),) = found.items()
+    missing = sorted(set(range(world)) - set(files))
+    if missing:
+        raise FileNotFoundError(f"The sources lack the optimizer shards of ranks {missing} (of {world}).")
+    out = []
+    for _, path in sorted(files.items()):
+        target = into / path.name
+        if path.resolve() != target.resolve():
+            atomic_copy(path, target)
+        out.append(target)
+    return out
+
+
+def atomic_copy(source: Path, target: Path) -> None:
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(source, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def _read_shards(directory: Path, rank: int, world_size: int, chunk: int) -> list[dict[str, Any]]:
@@ -103,16 +154,23 @@ def _read_shards(directory: Path, rank: int, world_size: int, chunk: int) -> lis
     if len(found) > 1:
         raise ValueError(f"{directory} holds optimizer shards of several world sizes {sorted(found)}; keep one set.")
     ((saved_world, files),) = found.items()
+    if saved_world == world_size and rank in files:  # the same ranks: this rank's own file (all if the chunk changed)
+        own = _read(files[rank])
+        if own["layout"]["chunk"] == chunk:
+            return [own]
     missing = sorted(set(range(saved_world)) - set(files))
+    if missing and saved_world != world_size and files:
+        raise FileNotFoundError(
+            f"Resuming on {world_size} ranks from a checkpoint of {saved_world} needs every rank's optimizer shard; "
+            f"{directory} lacks ranks {missing} (a per-node checkpoint, save_on_each_node=True?). Copy every node's "
+            f"shards into one directory (python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...) and resume "
+            "from it, or resume on the same number of ranks."
+        )
     if missing:
         raise FileNotFoundError(
             f"The checkpoint {directory} lacks the optimizer shards of ranks {missing} (of {saved_world}): it is "
             "incomplete. Resume from an earlier checkpoint."
         )
-    if saved_world == world_size:  # the same ranks: this rank's own file (all of them if the chunk size changed)
-        own = _read(files[rank])
-        if own["layout"]["chunk"] == chunk:
-            return [own]
     return [_read(files[r]) for r in range(saved_world)]
 
 
@@ -124,3 +182,30 @@ def _read(path: Path) -> dict[str, Any]:
             f"Could not read the ACCO optimizer shard {path} ({type(e).__name__}: {e}). The file is damaged; "
             "resume from an earlier checkpoint."
         ) from e
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hf_acco.checkpoint",
+        description="ACCO optimizer shards. gather: copy the shards of per-node checkpoints (save_on_each_node=True, "
+        "one directory per machine) into one, so that it resumes on any number of ranks.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("gather", help="copy every node's optimizer shards into one directory")
+    g.add_argument("--into", required=True, help="the directory to resume from (e.g. one node's checkpoint-N)")
+    g.add_argument("sources", nargs="+", help="the nodes' checkpoint-N directories (copied here first)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = make_parser()
+    args = p.parse_args(argv)
+    try:
+        written = gather_shards(args.sources, args.into)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
+    print(f"{len(written)} optimizer shards in {args.into}")
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ around evaluation and before every micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import inspect
@@ -68,11 +69,14 @@ TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
 
 
-def checkpoint_incomplete(path: str) -> str | None:
-    """Why ``path`` is not a complete ACCOTrainer checkpoint, or None.
+def checkpoint_incomplete(path: str, world_size: int | None = None, ranks: list[int] | None = None) -> str | None:
+    """Why ``path`` is not a complete ACCOTrainer checkpoint for ``ranks`` of a run on ``world_size`` ranks (for
+    every rank when not given), or None.
 
-    Every rank writes its files, then the ranks meet, then rank 0 writes ``trainer_state.json``: a checkpoint
-    with a readable trainer state (and no JIT sentinel) has all its files. One killed while it was written lacks it.
+    Every rank writes its files, then the ranks meet, then rank 0 (each node's first process with
+    ``save_on_each_node``) writes ``trainer_state.json``: a checkpoint with a readable trainer state (and no JIT
+    sentinel) has all its files. One killed while it was written lacks it. A per-node checkpoint holds only its
+    node's optimizer shards: complete for the ranks that read it.
     """
     state = os.path.join(path, TRAINER_STATE_NAME)
     if not os.path.isfile(state):
@@ -84,25 +88,43 @@ def checkpoint_incomplete(path: str) -> str | None:
         return f"its {TRAINER_STATE_NAME} is truncated"
     if os.path.exists(os.path.join(path, JIT_SENTINEL)):
         return "its pre-emption (JIT) checkpoint did not finish"
-    missing = missing_shards(path)
+    missing = missing_shards(path, world_size, ranks)
     return f"it lacks {missing}" if missing else None
 
 
-def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The checkpoint-N directory with the highest N that is complete (see ``checkpoint_incomplete``)."""
+def complete_checkpoints(output_dir: str, world_size: int | None = None, ranks: list[int] | None = None) -> dict:
+    """{N: path} of the checkpoint-N directories in ``output_dir`` complete for ``ranks`` (see
+    ``checkpoint_incomplete``); the others are named in a warning."""
     if not os.path.isdir(output_dir):
-        return None
-    candidates = []
+        return {}
+    found = {}
     for name in os.listdir(output_dir):
         match = re.fullmatch(r"checkpoint-(\d+)", name)
-        if match and os.path.isdir(os.path.join(output_dir, name)):
-            candidates.append((int(match.group(1)), os.path.join(output_dir, name)))
-    for _, path in sorted(candidates, reverse=True):
-        reason = checkpoint_incomplete(path)
-        if reason is None:
-            return path
-        logger.warning("Skipping %s: %s.", path, reason)
-    return None
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path):
+            reason = checkpoint_incomplete(path, world_size, ranks)
+            if reason is None:
+                found[int(match.group(1))] = path
+            else:
+                logger.warning("Skipping %s: %s.", path, reason)
+    return found
+
+
+def last_complete_checkpoint(
+    output_dir: str, world_size: int | None = None, ranks: list[int] | None = None
+) -> str | None:
+    """The checkpoint-N directory with the highest N that is complete (see ``checkpoint_incomplete``), or None."""
+    found = complete_checkpoints(output_dir, world_size, ranks)
+    return found[max(found)] if found else None
+
+
+def _every_rank(obj: Any) -> list[Any]:
+    """Collective: every rank's ``obj``, in rank order."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 _ALLOW_CUSTOM = "set acco_allow_custom_optimizer=True and pass it as optimizer_cls_and_kwargs=(cls, kwargs)"
@@ -194,8 +216,16 @@ class ACCOTrainerMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train, resuming only from complete checkpoints (``True``: the latest complete one)."""
+        # Which checkpoint is complete is decided by all ranks together (collective): each checks what it reads (its
+        # own shard: on a per-node checkpoint, save_on_each_node, only its node's are there), so that no rank resumes
+        # from step 8 while another resumes from step 4, and a bad checkpoint fails on every rank alike.
+        world, rank = self.args.world_size, self.args.process_index
         if resume_from_checkpoint is True:
-            found = last_complete_checkpoint(self.args.output_dir)
+            mine = complete_checkpoints(self.args.output_dir, world, [rank])
+            everywhere = set.intersection(*(set(steps) for steps in _every_rank(sorted(mine))))
+            for step in sorted(set(mine) - everywhere):
+                logger.warning("Skipping %s: incomplete on another rank (its shard or its node's files).", mine[step])
+            found = mine[max(everywhere)] if everywhere else None
             if found is None:
                 raise ValueError(  # Trainer's words, then ACCO's detail
                     f"No valid checkpoint found in output directory ({self.args.output_dir}): no complete "
@@ -206,7 +236,8 @@ class ACCOTrainerMixin:
         elif isinstance(resume_from_checkpoint, str):
             if not os.path.isdir(resume_from_checkpoint):
                 raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: not a directory.")
-            reason = checkpoint_incomplete(resume_from_checkpoint)
+            reasons = _every_rank(checkpoint_incomplete(resume_from_checkpoint, world, [rank]))
+            reason = next((f"{r} (on rank {i})" for i, r in enumerate(reasons) if r is not None), None)
             if reason is not None:
                 latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
                 raise ValueError(
@@ -597,7 +628,7 @@ class ACCOTrainerMixin:
         # nothing elsewhere and makes no collective), so the other ranks copy nothing
         if self.acco is None or not self.args.should_save:
             return super().save_model(output_dir, _internal_call)
-        with self.acco.committed_parameters():
+        with self.acco.committed_parameters(), _model_files_on_this_node(self):
             super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -751,6 +782,23 @@ class _EndlessSlots:
 
     def set_epoch(self, epoch: int) -> None:
         self.pacer.set_epoch(epoch)
+
+
+@contextlib.contextmanager
+def _model_files_on_this_node(trainer: Trainer) -> Any:
+    """With ``save_on_each_node``, each node's first process writes the model files too (every node holds the full
+    parameters: a per-node checkpoint then resumes without a shared file system). transformers 5.24's
+    ``save_pretrained`` writes on global rank 0 only (``should_save_on_this_rank``); Trainer passes
+    ``is_main_process=should_save``, which is what this node's first process needs."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    override = trainer.args.save_on_each_node and hasattr(model, "should_save_on_this_rank")
+    if override:
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        if override:
+            del model.should_save_on_this_rank
 
 
 def _agreed_key(kind: str) -> str:

@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--unmasked", action="store_true", help="every token is a label (no masked prompts)")
     parser.add_argument("--empty_examples", default="", help="comma-separated training examples with no label token")
     parser.add_argument("--mean_loss_model", action="store_true", help="a model that ignores num_items_in_batch")
+    parser.add_argument(
+        "--machine_per_rank", action="store_true", help="each rank its own machine: a private output_dir/node{rank}"
+    )
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
     trainer_cls, args_cls = (ACCOTrainer, ACCOConfig) if cli.acco else (Trainer, TrainingArguments)
@@ -164,6 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
         seed=0,
         disable_tqdm=True,
     )
+    if cli.machine_per_rank:  # no shared file system: each "machine" writes its own directory, as its first process
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        settings["output_dir"] = os.path.join(cli.output_dir, f"node{os.environ.get('RANK', '0')}")
     args = args_cls(**{**settings, **json.loads(cli.extra)})
     log_keys = LogKeys()
     callbacks = [log_keys] + ([StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else [])
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizers=optimizers,
     )
     trainer.train(resume_from_checkpoint=True if cli.resume == "last" else cli.resume)
-    trainer.save_model(os.path.join(cli.output_dir, "final"))
+    trainer.save_model(os.path.join(args.output_dir, "final"))
     result = {
         "log_history": trainer.state.log_history,
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": slow.rows,  # input_ids of every training micro-batch this rank computed
     }
     if trainer.is_world_process_zero():
-        with open(os.path.join(cli.output_dir, "log_history.json"), "w") as f:
+        with open(os.path.join(args.output_dir, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
     with open(os.path.join(cli.output_dir, f"rank{rank}_micro_batches.json"), "w") as f:
         json.dump({"micro_batches": slow.calls, "rows": len(slow.rows)}, f)

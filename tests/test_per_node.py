@@ -1,0 +1,70 @@
+"""Checkpoints without a shared file system (``save_on_each_node=True``, one directory per machine): each machine's
+checkpoint is complete for the ranks that read it, the ranks agree on the one to resume from, and a resume on another
+number of ranks says how to gather the shards first (2 forked ranks, each its own "machine")."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_acco.checkpoint import main as checkpoint_cli
+from hf_acco.checkpoint import shard_filename
+
+from .test_trainer import flat, rel, train
+
+PER_NODE = {"save_steps": 4, "machine_per_rank": True, "extra": {"save_on_each_node": True}}
+
+
+def steps_computed(result: dict) -> float:
+    """Optimizer steps this run computed (2 rows per micro-batch, 4 micro-batches per step and rank)."""
+    return len(result["rows"]) / 8
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """8 steps with a checkpoint at 4 and 8 on each machine: the uninterrupted run, and its directories."""
+    out = tmp_path_factory.mktemp("straight")
+    return out, train(out, acco=True, max_steps=8, **PER_NODE)
+
+
+def _copy(straight: tuple[Path, list[dict]], tmp_path: Path) -> Path:
+    shutil.copytree(straight[0], tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_each_machine_resumes_from_its_own_directory(tmp_path: Path, straight) -> None:
+    out = _copy(straight, tmp_path)
+    for rank in range(2):
+        files = {p.name for p in (out / f"node{rank}" / "checkpoint-4").iterdir()}
+        assert {shard_filename(rank, 2), "model.safetensors", "trainer_state.json"} <= files, files
+        assert shard_filename(1 - rank, 2) not in files  # the other machine's shard is not here
+        shutil.rmtree(out / f"node{rank}" / "checkpoint-8")  # pre-empted before the checkpoint of step 8
+    resumed = train(out, acco=True, max_steps=8, resume="last", **PER_NODE)
+    for r in range(2):
+        assert steps_computed(resumed[r]) == 4  # steps 5 to 8
+        assert torch.equal(flat(resumed[r]["params"]), flat(straight[1][r]["params"]))
+
+
+def test_a_checkpoint_incomplete_on_one_machine_is_skipped_by_every_rank(tmp_path: Path, straight) -> None:
+    out = _copy(straight, tmp_path)
+    (out / "node1" / "checkpoint-8" / shard_filename(1, 2)).unlink()  # machine 1 lost its shard of step 8
+    resumed = train(out, acco=True, max_steps=8, resume="last", **PER_NODE)
+    for r in range(2):  # both from step 4: none from 8
+        assert steps_computed(resumed[r]) == 4
+        assert torch.equal(flat(resumed[r]["params"]), flat(straight[1][r]["params"]))
+
+
+def test_another_number_of_ranks_needs_the_shards_gathered(tmp_path: Path, straight) -> None:
+    out = _copy(straight, tmp_path)
+    checkpoint = out / "node0" / "checkpoint-4"
+    extra = {"save_on_each_node": True, "gradient_accumulation_steps": 8}  # the same global batch on one rank
+    options = {"max_steps": 8, "resume": str(checkpoint), "extra": extra}
+    with pytest.raises(RuntimeError, match="Gather every node's shards"):
+        train(tmp_path / "one", acco=True, world_size=1, **options)
+    checkpoint_cli(["gather", "--into", str(checkpoint), str(out / "node1" / "checkpoint-4")])
+    alone = train(tmp_path / "one", acco=True, world_size=1, **options)
+    assert len(alone[0]["rows"]) == 4 * 8 * 2  # steps 5 to 8, 8 micro-batches of 2 rows each
+    assert rel(flat(alone[0]["params"]), flat(straight[1][0]["params"])) < 1e-5
