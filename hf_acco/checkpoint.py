@@ -109,7 +109,6 @@ def gather_shards(sources: list[str | os.PathLike], into: str | os.PathLike) -> 
     """Copy the optimizer shards of per-node checkpoints (``save_on_each_node``) into one directory, which then
     resumes on any number of ranks. Refuses sources of several world sizes, or a set that still lacks a rank."""
     into = Path(into)
-    into.mkdir(parents=True, exist_ok=True)
     found: dict[int, dict[int, Path]] = {}
     for source in [into, *sources]:  # what ``into`` holds already (one node's own) counts; the sources add theirs
         for world, files in shard_files(source).items():
@@ -122,6 +121,7 @@ def gather_shards(sources: list[str | os.PathLike], into: str | os.PathLike) -> 
     missing = sorted(set(range(world)) - set(files))
     if missing:
         raise FileNotFoundError(f"The sources lack the optimizer shards of ranks {missing} (of {world}).")
+    into.mkdir(parents=True, exist_ok=True)
     out = []
     for _, path in sorted(files.items()):
         target = into / path.name
