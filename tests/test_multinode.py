@@ -112,3 +112,17 @@ def test_two_nodes_launched_with_torchrun_train_as_one_job(tmp_path: Path, expec
         procs.append(subprocess.Popen([*cmd, "--output_dir", str(out), *STEPS], env=env))
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     assert _close(final_params(out), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CAN_MOUNT, reason="private directories per machine need root and unshare (mount namespaces)")
+def test_sync_on_two_machines_with_private_directories_resumes_after_a_preemption(tmp_path: Path) -> None:
+    sync = [*STEPS, "--extra", '{"acco_schedule": "sync"}']
+    assert launch(tmp_path / "straight", sync) == [0, 0]
+    expected = final_params(tmp_path / "straight")
+    steps = [*STEPS, "--extra", '{"acco_schedule": "sync", "save_on_each_node": true}']
+    out, private = tmp_path / "out", [tmp_path / "machine0", tmp_path / "machine1"]
+    assert launch(out, [*steps, "--kill_rank1_at_step", "6"], private) != [0, 0]
+    assert launch(out, [*steps, "--resume", "last"], private) == [0, 0]
+    for machine in range(2):
+        assert _close(final_params(private[machine]), expected)
