@@ -196,7 +196,8 @@ def load_into(rank: int, world_size: int, directory: str, model_kind: str) -> st
     [
         (None, "other-shape", ["does not match this model's trainable parameters"] * 2),
         (None, "frozen-embeddings", ["does not match this model's trainable parameters"] * 2),
-        ("missing", "same", ["lacks the optimizer shards of ranks [1]"] * 2),
+        # rank 0 has its own shard (as on a per-node checkpoint): the rank that lacks one says which
+        ("missing", "same", ["Another rank could not load", "lacks the optimizer shards of ranks [1]"]),
         ("tampered", "same", ["Another rank could not load", "is damaged"]),
         ("empty-dir", "same", ["No ACCO optimizer shards"] * 2),
         (None, "same", ["loaded", "loaded"]),
