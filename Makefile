@@ -1,4 +1,4 @@
-.PHONY: style quality test test-slow test-gpu test-latest bench
+.PHONY: style quality test test-slow test-gpu test-latest bench bench-ab
 
 PY ?= python3
 
@@ -27,3 +27,8 @@ test-latest:
 	. .venv-latest/bin/activate && python3 -m pip install torch==2.13.0 && \
 		python3 -m pip install -e ".[tests]" "torch==2.13.0" && \
 		python3 -m pip freeze --exclude-editable && python3 -m pytest
+
+# Before committing a change to the engine's round or step path: the headline benchmark, BASE against the working
+# tree, alternated on this machine (about 12 minutes for 2 rounds). Ratios side by side; a measurement, not a test.
+bench-ab:
+	$(PY) benchmarks/bench_ab.py --base $(BASE) --rounds $(or $(ROUNDS),2)

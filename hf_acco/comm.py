@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import os
 import queue
+import socket
 import threading
 import time
 import warnings
@@ -62,6 +63,13 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
 
 
+def node() -> str:
+    """Which machine this process runs on, for messages of a multi-node job: the launcher's node rank
+    (``GROUP_RANK``, set by torchrun and ``accelerate launch``) and the host's name."""
+    rank = os.environ.get("GROUP_RANK")
+    return f"node {rank}, {socket.gethostname()}" if rank is not None else socket.gethostname()
+
+
 def gloo_failure(error: BaseException) -> str:
     """What to do when a gloo group of ACCO's (the round's counts go over gloo on the host, also on NCCL) cannot be
     set up: the interface gloo binds and the address it resolved, and what to set."""
@@ -79,7 +87,8 @@ def gloo_failure(error: BaseException) -> str:
         where = f"GLOO_SOCKET_IFNAME unset: the address of the hostname {host!r} ({address})"
     rank = dist.get_rank() if dist.is_initialized() else "?"
     return (
-        f"ACCO could not set up its gloo group on rank {rank} ({where}): {type(error).__name__}: {error}. ACCO sends "
+        f"ACCO could not set up its gloo group on rank {rank} ({node()}; {where}): {type(error).__name__}: {error}. "
+        "ACCO sends "
         "each round's counts over gloo (TCP between the hosts), also when the gradients go over NCCL. Set "
         "GLOO_SOCKET_IFNAME on every node to the network interface the nodes reach each other on (`ip -br addr`; "
         "often the one NCCL_SOCKET_IFNAME names), and let TCP through between the nodes: the rendezvous port "
@@ -232,12 +241,13 @@ class Communicator:
                 raise
             if not is_peer_failure(e):
                 if hasattr(e, "add_note"):
-                    e.add_note(f"(in ACCO's {what}, on rank {self.rank} of {self.world_size})")
+                    e.add_note(f"(in ACCO's {what}, on rank {self.rank} of {self.world_size}, {node()})")
                 raise
             peers = [r for r in range(self.world_size) if r != self.rank]
             limit = f"{self.timeout.total_seconds():.0f} s" if self.timeout else "the process group's timeout"
             raise PeerFailure(
-                f"ACCO {what} failed on rank {self.rank} of {self.world_size}: peer rank(s) {peers} died or did not "
+                f"ACCO {what} failed on rank {self.rank} of {self.world_size} ({node()}): peer rank(s) {peers} died "
+                "or did not "
                 f"answer within {limit} ({type(e).__name__}: {e}). Nothing was written by this round; restart the "
                 "job and resume from the last complete checkpoint."
             ) from e

@@ -242,6 +242,15 @@ class ShardOptimizer:
         steps = [state["step"].clone() if "step" in state else _zero_step(group, thetas[0].device) for _ in runs]
         beta1, beta2 = group["betas"]
         flags = {key: group[key] for key in _ADAM_FLAGS}
+        if (
+            flags["foreach"] is None
+            and not flags["fused"]
+            and not flags["differentiable"]
+            and not torch.is_tensor(group["lr"])
+        ):  # torch's default: foreach on CUDA, one tensor at a time on CPU. The two do the same elementary ops in
+            # the same order (bit for bit: tests/test_optim.py), and foreach's calls do not grow with the number of
+            # parameters: the round holds the GIL for 10 calls per window, not 10 per parameter
+            flags["foreach"] = True
         functional_adam(
             params,
             grads,

@@ -53,7 +53,7 @@ from transformers.trainer_utils import has_length, seed_worker
 
 from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
 from .claims import ClaimingBatchSampler, StreamTickets, default_store
-from .comm import Communicator, PeerFailure, check_world_size, is_peer_failure
+from .comm import Communicator, PeerFailure, check_world_size, is_peer_failure, node
 from .config import check_halves, check_supported, engine_accumulation, engine_micro_batches, splits_batches
 from .core import ACCOOptimizer
 from .optim import check_elementwise
@@ -256,7 +256,8 @@ class ACCOTrainerMixin:
             rank, world = self.args.process_index, self.args.world_size
             latest = last_complete_checkpoint(self.args.output_dir)
             raise PeerFailure(
-                f"Training stopped on rank {rank}: peer rank(s) {[r for r in range(world) if r != rank]} died or "
+                f"Training stopped on rank {rank} ({node()}): peer rank(s) {[r for r in range(world) if r != rank]} "
+                "died or "
                 f"stopped answering ({type(e).__name__}). The last complete checkpoint is {latest}; restart all "
                 f"ranks with resume_from_checkpoint=True to continue from it. Cause: {e}"
             ) from e
