@@ -29,11 +29,22 @@ def shard_filename(rank: int, world_size: int) -> str:
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to ``path`` so that ``path`` holds either the old or the complete new file."""
-    path = Path(path)
+    _atomic_write(Path(path), lambda f: torch.save(obj, f))
+
+
+def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Copy ``source`` to ``target`` so that ``target`` holds either the old or the complete new file."""
+    with open(source, "rb") as src:
+        _atomic_write(Path(target), lambda f: shutil.copyfileobj(src, f))
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    """``write(file)`` into a temporary name beside ``path``, flushed to disk, then renamed over ``path``; the
+    directory entry is flushed too. A crash mid-write never leaves a truncated file under the real name."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -129,18 +140,6 @@ def gather_shards(sources: list[str | os.PathLike], into: str | os.PathLike) -> 
             atomic_copy(path, target)
         out.append(target)
     return out
-
-
-def atomic_copy(source: Path, target: Path) -> None:
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        shutil.copyfile(source, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _read_shards(directory: Path, rank: int, world_size: int, chunk: int) -> list[dict[str, Any]]:
