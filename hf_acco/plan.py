@@ -12,12 +12,21 @@ prints the predicted step time, tokens/s and exposed communication of DDP (as Tr
     all-reduce = reduce-scatter + all-gather
 
 ``efficiency`` is the share of the link rate a collective achieves (framing, protocol, gaps), fitted per kind
-(``round``: ACCO/ZeRO-1's reduce-scatter + all-gather; ``all_reduce``: DDP's). On ``n`` nodes of ``g`` GPUs the
-collectives are hierarchical: a reduce-scatter runs over the ``g`` GPUs of a node on the intra-node link
-(``intra_gbit`` per GPU), then over the ``n`` nodes on ``B / g`` bytes per GPU, the ``g`` rings sharing the
-node's network (``inter_gbit`` per node, so ``inter_gbit / g`` each); an all-gather the other way round::
+(``round``: ACCO/ZeRO-1's reduce-scatter + all-gather; ``all_reduce``: DDP's). On ``n`` nodes of ``g`` GPUs
+(ranks numbered node by node, as launchers do) the collectives run over all ``p`` ranks at once, and each of
+the two kinds of link carries its share at the same time, so the slower one sets the pace. A ring (NCCL's
+reduce-scatter, all-gather and all-reduce; gloo's all-gather and all-reduce) enters and leaves every node once:
+every GPU's link inside a node (``intra_gbit`` per GPU) and every node's network (``inter_gbit`` per node, all
+its NICs) carry ``(p - 1) / p`` of the bytes. An all-to-all (the engine's reduce-scatter on gloo) sends ``1 / p``
+of the bytes from every rank to every other: ``g (p - g) / p`` of them leave a node, ``(g - 1) / p`` stay::
 
-    RS(B) = ring(B, g, intra) + ring(B / g, n, inter / g)          (= ring(B, p, inter) when g = 1)
+    ring_2(B)       = (p - 1) alpha + max((p - 1)/p B / intra, (p - 1)/p B / inter)  (the first on 1 node only,
+    all_to_all_2(B) = (p - 1) alpha + max((g - 1)/p B / intra, g (p - g)/p B / inter)  the second with g = 1)
+
+(both ``= ring(B, p, inter)`` with one GPU per node, and ``ring(B, g, intra)`` on one node). Neither is
+hierarchical: NCCL's reduce-scatter and all-gather are rings (its tree, for all-reduce at many nodes, moves
+about half a ring's bytes between nodes: DDP is then predicted slower than it is); across 2 nodes a ring moves
+almost twice what a two-level collective would (``(n - 1) / n`` of the bytes).
 
 **A step** (``k`` micro-batches per rank, each ``t`` s; ``t_max`` the slowest rank's; ``R = RS + AG`` one
 round: the gradients reduce-scattered in the communication dtype, the parameters all-gathered in the model's;
@@ -38,7 +47,8 @@ round: the gradients reduce-scattered in the communication dtype, the parameters
 ``overhead`` is what a step costs beyond its compute and its collectives alone (the optimizer update, a round's
 two small all-reduces, loading parameters, Python). It and the collectives' ``alpha`` and ``efficiency`` are
 fitted by :func:`fit` from the benchmark's measurements (``python -m hf_acco.bench.scaling``); :data:`FITTED`
-are the committed ones. Where the model is known to be wrong: README, "Will ACCO help on my cluster?".
+are the committed ones. Where it was held against measured runs, and where it is known to be wrong:
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -48,7 +58,6 @@ import heapq
 import json
 import math
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -77,9 +86,8 @@ class Constants:
 
 # Fitted by `python -m hf_acco.bench.scaling` (recipes/results/scaling/constants.json, rounded): gloo over TCP on the
 # benchmark's bridge, every rank's link shaped to 200 Mbit/s, 2/4/8 ranks, emulated compute, 2 CPU cores. The
-# latencies are below what these points resolve (of two runs, the round's fit gave 11.6 ms per step once, 0 once):
-# NCCL's is stated instead (NCCL_ALPHA_US, --backend nccl). Where the model is known to be wrong: README, "Will
-# ACCO help on my cluster?".
+# latencies are below what these points resolve (the fit gives 0): NCCL's is stated instead (NCCL_ALPHA_US,
+# --backend nccl). Where the model is known to be wrong: docs/benchmarks.md.
 FITTED = Constants(
     alpha_s={"round": 0.0, "all_reduce": 0.0},
     efficiency={"round": 0.888, "all_reduce": 0.983},
@@ -94,6 +102,7 @@ class Cluster:
     gpus_per_node: int
     intra_gbit: float  # per GPU, inside a node (NVLink, PCIe)
     inter_gbit: float  # per node, between nodes (its NICs together)
+    backend: str = "nccl"  # the engine's reduce-scatter: a ring on NCCL, an all-to-all on gloo
 
     @property
     def nodes(self) -> int:
@@ -111,13 +120,39 @@ def ring(nbytes: float, p: int, gbit: float, efficiency: float, alpha_s: float) 
     return (p - 1) * alpha_s + (p - 1) / p * nbytes / (efficiency * gbit * 1e9 / 8)
 
 
-def reduce_scatter(nbytes: float, cluster: Cluster, c: Constants, kind: str = "round") -> float:
-    """Hierarchical reduce-scatter: inside each node, then across nodes on a node's share (an all-gather costs
-    the same)."""
-    eff, alpha, g, n = c.efficiency[kind], c.alpha_s[kind], cluster.local, cluster.nodes
-    inside = ring(nbytes, g, cluster.intra_gbit, eff, alpha)
-    across = ring(nbytes / g, n, cluster.inter_gbit / g, eff, alpha)
-    return inside + across
+def collective(nbytes: float, cluster: Cluster, c: Constants, kind: str = "round", spelling: str = "ring") -> float:
+    """One reduce-scatter or all-gather of ``nbytes`` over all the cluster's ranks, spelled as a ``"ring"`` or an
+    ``"all_to_all"``: the latency of its ``p - 1`` steps, and the bytes on the busier kind of link (inside a node
+    per GPU, between nodes per node) over that link's rate (see the module docstring)."""
+    p, g = cluster.gpus, cluster.local
+    if p <= 1:
+        return 0.0
+    if spelling == "ring":
+        inside, across = (p - 1) / p, (p - 1) / p
+    elif spelling == "all_to_all":
+        inside, across = (g - 1) / p, g * (p - g) / p
+    else:
+        raise ValueError(f"spelling must be 'ring' or 'all_to_all', got {spelling!r}")
+    rate = lambda gbit: c.efficiency[kind] * gbit * 1e9 / 8  # noqa: E731  (bytes/s)
+    wire = max(
+        inside * nbytes / rate(cluster.intra_gbit) if g > 1 else 0.0,
+        across * nbytes / rate(cluster.inter_gbit) if cluster.nodes > 1 else 0.0,
+    )
+    return (p - 1) * c.alpha_s[kind] + wire
+
+
+def round_time(job: Job, cluster: Cluster, c: Constants) -> float:
+    """One round: the gradients reduce-scattered (a ring on NCCL, an all-to-all on gloo) in the communication
+    dtype, the parameters all-gathered (a ring) in the model's."""
+    spelling = "all_to_all" if cluster.backend == "gloo" else "ring"
+    return collective(job.params * job.grad_bytes, cluster, c, spelling=spelling) + collective(
+        job.params * job.param_bytes, cluster, c
+    )
+
+
+def all_reduce(nbytes: float, cluster: Cluster, c: Constants) -> float:
+    """DDP's all-reduce: a ring's reduce-scatter then its all-gather."""
+    return 2 * collective(nbytes, cluster, c, "all_reduce")
 
 
 def ddp_exposed(nbytes: float, backward_s: float, cluster: Cluster, c: Constants) -> float:
@@ -128,7 +163,7 @@ def ddp_exposed(nbytes: float, backward_s: float, cluster: Cluster, c: Constants
         size = min(DDP_FIRST_BUCKET_BYTES if done == 0 else DDP_BUCKET_BYTES, nbytes - done)
         done += size
         ready = backward_s * done / nbytes
-        finish = max(finish, ready) + 2 * reduce_scatter(size, cluster, c, "all_reduce")
+        finish = max(finish, ready) + all_reduce(size, cluster, c)
     return max(0.0, finish - backward_s)
 
 
@@ -169,12 +204,10 @@ def predict(method: str, accumulation: str, job: Job, cluster: Cluster, c: Const
     p, k = cluster.gpus, job.micro_batches
     times = job.times(p)
     t_max = max(times)
-    round_s = reduce_scatter(job.params * job.grad_bytes, cluster, c) + reduce_scatter(
-        job.params * job.param_bytes, cluster, c
-    )
+    round_s = round_time(job, cluster, c)
     if method == "ddp":
         nbytes = job.params * job.param_bytes
-        compute, comm = k * t_max, 2 * reduce_scatter(nbytes, cluster, c, "all_reduce")
+        compute, comm = k * t_max, all_reduce(nbytes, cluster, c)
         exposed = 0.0 if p == 1 else ddp_exposed(nbytes, (1 - c.forward_share) * t_max, cluster, c)
     elif method == "sync":
         compute, comm = k * t_max, round_s
@@ -239,8 +272,7 @@ def recommend(
 def bucket_numel(job: Job, cluster: Cluster, c: Constants, overhead: float = 0.05) -> int:
     """Elements per bucket so that a bucket's latency (``(p - 1) alpha``) is at most ``overhead`` of its
     transfer time on the slowest link, within the engine's NCCL range."""
-    g = cluster.local
-    slowest_gbit = min(cluster.intra_gbit, cluster.inter_gbit / g) if cluster.nodes > 1 else cluster.intra_gbit
+    slowest_gbit = min(cluster.intra_gbit, cluster.inter_gbit) if cluster.nodes > 1 else cluster.intra_gbit
     bytes_needed = c.alpha_s["round"] / overhead * c.efficiency["round"] * slowest_gbit * 1e9 / 8 * cluster.gpus
     low, high = NCCL_BUCKET_NUMEL
     return int(min(high, max(low, bytes_needed / job.grad_bytes)))
@@ -364,14 +396,64 @@ def load_constants(path: str | Path) -> Constants:
     return Constants(**data)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+# The typical clusters of the README's table (`python -m hf_acco.plan --examples` renders it): a 1.3 B-parameter
+# bf16 model, micro-batches of 8 x 2048 tokens at 0.32 s on a GPU, up to 8 per step, A100 NVLink inside a node
+COMMON = ["--params", "1.3e9", "--micro_batches", "8", "--intra_gbit", "2400", "--gpus_per_node", "8"]
+EXAMPLES = (
+    ("1 node x 8 GPUs (NVLink)", [*COMMON, "--gpus", "8", "--micro_batch_s", "0.32"]),
+    ("4 x 8 over 100 Gbit/s", [*COMMON, "--gpus", "32", "--inter_gbit", "100", "--micro_batch_s", "0.32"]),
+    ("16 x 8 over 25 Gbit/s", [*COMMON, "--gpus", "128", "--inter_gbit", "25", "--micro_batch_s", "0.32"]),
+    (
+        "8 fast + 8 slow (2.5x) over 100 Gbit/s",
+        [*COMMON, "--gpus", "16", "--inter_gbit", "100", "--micro_batch_s", "0.32", "0.8", "--group_gpus", "8", "8"],
+    ),
+)
+
+
+def examples_table() -> str:
+    """The planner on :data:`EXAMPLES`: step times of every method at 8 micro-batches (the engine's default wire:
+    bf16 gradients for a bf16 model), the recommendation, and each row's command."""
+    lines = [
+        "| cluster | DDP (s) | ZeRO-1 (s) | ACCO fixed (s) | ACCO dynamic (s) | recommended | its step (s), "
+        "tokens/s vs DDP |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    commands = []
+    for name, argv in EXAMPLES:
+        out = main([*argv, "--quiet"])
+        steps = [out["predictions"][f"{m}:{a}"]["step_s"] for m, a in METHODS]
+        ch = out["recommendation"]
+        wire = {4: "fp32", 2: "bf16"}[ch["grad_bytes"]]
+        k = ch["micro_batches"]
+        how = f"{NAMES[(ch['method'], ch['accumulation'])]}, {k} micro-batch{'es' if k > 1 else ''}"
+        how += f", {wire} wire" if ch["method"] != "ddp" else ""
+        gain = ch["tokens_per_s"] / out["predictions"]["ddp:fixed"]["tokens_per_s"]
+        lines.append(
+            f"| {name} | " + " | ".join(f"{t:.2f}" for t in steps) + f" | {how} | {ch['step_s']:.2f}, {gain:.2f}x |"
+        )
+        commands.append(f"python -m hf_acco.plan {' '.join(argv)}")
+    return "\n".join(lines) + "\n\n```bash\n" + "\n".join(commands) + "\n```\n"
+
+
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_acco.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--params", type=float, required=True, help="trainable parameters, e.g. 1.3e9")
-    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--params", type=float, help="trainable parameters, e.g. 1.3e9 (required)")
+    p.add_argument("--gpus", type=int, help="GPUs of the job, all nodes together (required)")
     p.add_argument("--gpus_per_node", type=int, default=8)
-    p.add_argument("--intra_gbit", type=float, default=900.0, help="per GPU inside a node (NVLink 4: ~900 x 8)")
-    p.add_argument("--inter_gbit", type=float, default=100.0, help="per node between nodes (all its NICs)")
+    p.add_argument(
+        "--intra_gbit",
+        type=float,
+        default=3600.0,
+        help="Gbit/s each way per GPU inside a node (default: H100 NVLink 4, 450 GB/s each way; A100 NVLink 3: "
+        "2400; PCIe 4.0 x16: about 200)",
+    )
+    p.add_argument(
+        "--inter_gbit",
+        type=float,
+        default=100.0,
+        help="Gbit/s each way per node between nodes, all its NICs together (8 x 400 Gbit/s InfiniBand: 3200)",
+    )
     p.add_argument(
         "--micro_batch_s",
         type=float,
@@ -397,41 +479,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--comm_dtype",
-        choices=["bf16", "fp32"],
-        default="fp32",
-        help="ACCO / ZeRO-1's gradients on the wire (acco_comm_dtype; its default fp32)",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="ACCO / ZeRO-1's gradients on the wire (acco_comm_dtype; its default auto: the model's dtype)",
     )
     p.add_argument(
         "--backend",
         choices=["nccl", "gloo"],
         default="nccl",
-        help="nccl: alpha is NCCL_ALPHA_US (stated, not measurable here); gloo: the fitted one",
+        help="nccl: rings, alpha NCCL_ALPHA_US (stated: the benchmark runs gloo); gloo: the engine's "
+        "all-to-all reduce-scatter, the fitted alpha",
     )
     p.add_argument("--alpha_us", type=float, default=None, help="the latency per ring step (overrides --backend's)")
     p.add_argument("--efficiency", type=float, default=None, help="override the fitted share of the link rate")
     p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.bench.scaling`")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
-    return p.parse_args(argv)
+    p.add_argument("--quiet", action="store_true", help="print nothing (for callers that read the returned dict)")
+    p.add_argument("--examples", action="store_true", help="print the table of typical clusters, with commands")
+    return p
 
 
-def job_from_args(args: argparse.Namespace) -> Job:
+def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
+    if args.params is None or args.gpus is None:
+        parser.error("state --params (trainable parameters) and --gpus (all nodes together)")
     if (args.micro_batch_s is None) == (args.tokens_per_s is None):
-        sys.exit("state one of --micro_batch_s (seconds per micro-batch) or --tokens_per_s (per GPU)")
+        parser.error("state one of --micro_batch_s (seconds per micro-batch) or --tokens_per_s (per GPU)")
     times = args.micro_batch_s or [args.micro_batch_tokens / args.tokens_per_s]
     if args.group_gpus is not None:
         if len(args.group_gpus) != len(times) or sum(args.group_gpus) != args.gpus:
-            sys.exit("--group_gpus needs one count per --micro_batch_s, adding up to --gpus")
+            parser.error("--group_gpus needs one count per --micro_batch_s, adding up to --gpus")
         times = [t for t, n in zip(times, args.group_gpus) for _ in range(n)]
     elif len(times) > 1:
-        sys.exit("several --micro_batch_s need --group_gpus (how many GPUs have each)")
+        parser.error("several --micro_batch_s need --group_gpus (how many GPUs have each)")
     nbytes = {"bf16": 2, "fp32": 4}
+    wire = args.model_dtype if args.comm_dtype == "auto" else args.comm_dtype
     return Job(params=args.params, micro_batch_s=times, micro_batches=args.micro_batches,
-               micro_batch_tokens=args.micro_batch_tokens, grad_bytes=nbytes[args.comm_dtype],
+               micro_batch_tokens=args.micro_batch_tokens, grad_bytes=nbytes[wire],
                param_bytes=nbytes[args.model_dtype])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.examples:
+        print(examples_table())
+        return {}
     c = load_constants(args.constants) if args.constants else FITTED
     if args.alpha_us is None and args.backend == "nccl":
         args.alpha_us = NCCL_ALPHA_US
@@ -440,11 +532,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.efficiency is not None:
         stated = dict.fromkeys(c.efficiency, args.efficiency)
         c = replace(c, efficiency=stated, source=f"{c.source}, efficiency stated")
-    cluster = Cluster(args.gpus, args.gpus_per_node, args.intra_gbit, args.inter_gbit)
-    job = job_from_args(args)
+    job = job_from_args(args, parser)
+    cluster = Cluster(args.gpus, args.gpus_per_node, args.intra_gbit, args.inter_gbit, args.backend)
     out = {"constants": asdict(c), "predictions": {f"{m}:{a}": predict(m, a, job, cluster, c) for m, a in METHODS},
            "recommendation": recommend(job, cluster, c)["choice"]}  # fmt: skip
-    print(json.dumps(out, indent=1) if args.json else report(job, cluster, c))
+    if not args.quiet:
+        print(json.dumps(out, indent=1) if args.json else report(job, cluster, c))
     return out
 
 

@@ -106,7 +106,9 @@ def complete_checkpoints(output_dir: str, world_size: int | None = None, ranks: 
             if reason is None:
                 found[int(match.group(1))] = path
             else:
-                logger.warning("Skipping %s: %s.", path, reason)
+                # per rank, per node (each node may have its own copy): say which one saw it
+                where = f"rank {ranks[0]}, {node()}" if ranks and len(ranks) == 1 else node()
+                logger.warning("Skipping %s (on %s): %s.", path, where, reason)
     return found
 
 
@@ -224,7 +226,12 @@ class ACCOTrainerMixin:
             mine = complete_checkpoints(self.args.output_dir, world, [rank])
             everywhere = set.intersection(*(set(steps) for steps in _every_rank(sorted(mine))))
             for step in sorted(set(mine) - everywhere):
-                logger.warning("Skipping %s: incomplete on another rank (its shard or its node's files).", mine[step])
+                logger.warning(
+                    "Skipping %s (on rank %d, %s): incomplete on another rank (its shard or its node's files).",
+                    mine[step],
+                    rank,
+                    node(),
+                )
             found = mine[max(everywhere)] if everywhere else None
             if found is None:
                 raise ValueError(  # Trainer's words, then ACCO's detail

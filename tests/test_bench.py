@@ -351,3 +351,60 @@ def test_the_scaling_benchmark_at_2_and_3_ranks(tmp_path):
     assert json.loads((out / "constants.json").read_text())["source"].startswith("fitted")
     assert (out / "step_time_vs_world_size.png").stat().st_size > 0 and "(emulated)" in (out / "table.md").read_text()
     assert "hfacco" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _qdiscs(namespace: str, device: str | None = None) -> str:
+    argv = ["tc", "-n", namespace, "qdisc", "show", *(["dev", device] if device else [])]
+    return subprocess.run(argv, capture_output=True, text=True).stdout
+
+
+@pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
+def test_nodes_have_a_bridge_each_and_only_their_uplinks_are_shaped():
+    """2 nodes of 2 ranks: a bridge per node holding its ranks' ports and its uplink, the core bridge holding the
+    uplinks' other ends; tbf on both ends of each uplink, nothing on the ranks' own links; all of it removed."""
+    with link.Link(prefix="hfaccotestnd", world_size=4, nodes=2) as ln:
+        assert [ln.node(r) for r in range(4)] == [0, 0, 1, 1] and len(ln.node_namespaces) == 2
+        ln.shape(50)
+        for i, (ns, (up, core_end)) in enumerate(zip(ln.node_namespaces, ln.uplinks)):
+            ports = subprocess.run(
+                ["ip", "-n", ns, "link", "show", "master", "br0"], capture_output=True, text=True
+            ).stdout
+            assert all(ln.ports[r] in ports for r in range(4) if ln.node(r) == i) and up in ports
+            assert "rate 50Mbit" in _qdiscs(ns, up) and "rate 50Mbit" in _qdiscs(ln.bridge_namespace, core_end)
+            assert _qdiscs(ns).count("tbf") == 1  # the rank's ports are not shaped
+        assert all("tbf" not in _qdiscs(ln.namespace(r), ln.device(r)) for r in range(4))
+        ln.shape(None)
+        assert "tbf" not in _qdiscs(ln.bridge_namespace)
+    assert "hfaccotestnd" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    with pytest.raises(ValueError, match="nodes must divide"):
+        link.Link(world_size=4, nodes=3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
+def test_a_nodes_ranks_share_its_uplink_and_talk_fast_inside_it():
+    """Uplinks at 40 Mbit/s: one rank alone to the other node gets about 40; two ranks of a node sending to the
+    other node at once get about 20 each; two ranks of one node talk far above the uplink's rate."""
+
+    def send(ln, pairs: list[tuple[int, int]]) -> list[float]:
+        sinks = [subprocess.Popen(ln.wrap(b, [sys.executable, "-c", _SINK])) for _, b in pairs]
+        try:
+            sources = [
+                subprocess.Popen(
+                    ln.wrap(a, [sys.executable, "-c", _SOURCE.format(addr=f"10.213.7.{b + 1}")]),
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for a, b in pairs
+            ]
+            return [float(s.communicate(timeout=60)[0]) for s in sources]
+        finally:
+            for s in sinks:
+                s.kill()
+                s.wait()
+
+    with link.Link(prefix="hfaccotestup", world_size=4, nodes=2) as ln:
+        ln.shape(40)
+        assert 30 < send(ln, [(0, 2)])[0] < 44
+        assert all(14 < mbit < 26 for mbit in send(ln, [(0, 2), (1, 3)]))
+        assert send(ln, [(0, 1)])[0] > 200

@@ -68,3 +68,18 @@ def test_another_number_of_ranks_needs_the_shards_gathered(tmp_path: Path, strai
     alone = train(tmp_path / "one", acco=True, world_size=1, **options)
     assert len(alone[0]["rows"]) == 4 * 8 * 2  # steps 5 to 8, 8 micro-batches of 2 rows each
     assert rel(flat(alone[0]["params"]), flat(straight[1][0]["params"])) < 1e-5
+
+
+def test_a_skipped_checkpoint_is_reported_with_the_rank_and_node_that_saw_it(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """On a per-node checkpoint each machine judges its own copy: the warning says which rank and node did."""
+    from hf_acco.trainer import TRAINER_STATE_NAME, complete_checkpoints
+
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / TRAINER_STATE_NAME).write_text("{}")  # readable, but only rank 0's shard is here
+    (tmp_path / "checkpoint-4" / shard_filename(0, 2)).write_bytes(b"")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    with caplog.at_level("WARNING", logger="hf_acco.trainer"):
+        assert complete_checkpoints(str(tmp_path), world_size=2, ranks=[1]) == {}
+    assert "checkpoint-4 (on rank 1, node 1, " in caplog.text and "shards of ranks [1] (of 2)" in caplog.text

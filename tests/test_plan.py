@@ -18,22 +18,35 @@ def flat(p: int, gbit: float) -> plan.Cluster:
     return plan.Cluster(gpus=p, gpus_per_node=1, intra_gbit=1e9, inter_gbit=gbit)
 
 
-def test_ring_and_hierarchical_collectives():
+def test_ring_and_two_level_collectives():
     # 4 ranks, 1 GB, 8 Gbit/s = 1 GB/s: (p - 1) / p of the bytes leave each rank: 0.75 s, plus 3 latencies
     assert plan.ring(1e9, 4, 8.0, 1.0, 0.0) == pytest.approx(0.75)
     assert plan.ring(1e9, 4, 8.0, 0.5, 0.01) == pytest.approx(3 * 0.01 + 1.5)
     assert plan.ring(1e9, 1, 8.0, 1.0, 0.01) == 0.0
     c = replace(C0, alpha_s={"round": 1e-3, "all_reduce": 0.0})
-    # one rank per node: the plain ring over all ranks on the inter-node link
-    assert plan.reduce_scatter(1e9, flat(4, 8.0), c) == pytest.approx(plan.ring(1e9, 4, 8.0, 1.0, 1e-3))
-    # one node of 8: the intra-node ring only
+    # one rank per node, or one node: the plain ring, spelled either way
     node = plan.Cluster(gpus=8, gpus_per_node=8, intra_gbit=800.0, inter_gbit=1.0)
-    assert plan.reduce_scatter(1e9, node, c) == pytest.approx(7 * 1e-3 + 7 / 8 * 1e9 / 100e9)
-    # 4 nodes of 8: inside (1 GB over 8 on 800 Gbit/s), then across (1/8 GB per GPU, the node's 80 Gbit/s / 8)
+    for spelling in ("ring", "all_to_all"):
+        assert plan.collective(1e9, flat(4, 8.0), c, spelling=spelling) == pytest.approx(
+            plan.ring(1e9, 4, 8.0, 1.0, 1e-3)
+        )
+        assert plan.collective(1e9, node, c, spelling=spelling) == pytest.approx(7e-3 + 7 / 8 * 1e9 / 100e9)
+    # 4 nodes of 8 (800 Gbit/s = 100 GB/s per GPU, 80 Gbit/s = 10 GB/s per node): a ring's 31/32 of the bytes
+    # cross every GPU's link and every node's at once (the node's is slower); an all-to-all sends 8 x 24/32 of
+    # them out of each node, 7/32 stay inside
     cluster = plan.Cluster(gpus=32, gpus_per_node=8, intra_gbit=800.0, inter_gbit=80.0)
-    across = 3 * 1e-3 + 3 / 4 * (1e9 / 8) / (10e9 / 8)
-    assert plan.reduce_scatter(1e9, cluster, c) == pytest.approx(7 * 1e-3 + 7 / 8 * 1e9 / 100e9 + across)
     assert cluster.nodes == 4 and cluster.local == 8
+    assert plan.collective(1e9, cluster, c) == pytest.approx(31e-3 + 31 / 32 * 0.1)
+    assert plan.collective(1e9, cluster, c, spelling="all_to_all") == pytest.approx(31e-3 + 6 * 0.1)
+    slow_inside = replace(cluster, intra_gbit=8.0)  # PCIe-like: now the GPU's own link sets the pace
+    assert plan.collective(1e9, slow_inside, c) == pytest.approx(31e-3 + 31 / 32 * 1.0)
+    # a round on gloo: all-to-all reduce-scatter + ring all-gather; on NCCL: two rings
+    job = plan.Job(params=2.5e8, micro_batch_s=[0.1], micro_batches=4)
+    assert plan.round_time(job, replace(cluster, backend="gloo"), c) == pytest.approx(62e-3 + 0.6 + 31 / 32 * 0.1)
+    assert plan.round_time(job, cluster, c) == pytest.approx(2 * (31e-3 + 31 / 32 * 0.1))
+    assert plan.all_reduce(1e9, cluster, c) == pytest.approx(2 * 31 / 32 * 0.1)  # the all-reduce's alpha: 0
+    with pytest.raises(ValueError, match="spelling"):
+        plan.collective(1e9, cluster, c, spelling="tree")
 
 
 def test_step_times_of_each_method_by_hand():
@@ -97,7 +110,7 @@ def test_fit_recovers_the_constants_that_made_the_measurements():
         for nbytes, mbit in ((1.6e7, 200.0), (4e6, 100.0)):
             cluster = flat(p, mbit / 1000)
             for kind in ("round", "all_reduce"):
-                seconds = 2 * plan.reduce_scatter(nbytes, cluster, truth, kind)
+                seconds = 2 * plan.collective(nbytes, cluster, truth, kind)
                 points.append({"kind": kind, "world_size": p, "bytes": nbytes, "link_mbit": mbit, "seconds": seconds})
     job, cluster = plan.Job(params=1e6, micro_batch_s=[0.25], micro_batches=4), flat(2, 0.2)
     model = {m: plan.predict(m, "fixed", job, cluster, truth)["step_s"] for m in ("acco", "sync")}
@@ -142,7 +155,7 @@ def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tm
     done = subprocess.run([sys.executable, "-m", "hf_acco.plan", *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     for row in ("| DDP (Trainer) |", "| ZeRO-1 |", "| ACCO fixed |", "| ACCO dynamic |", "Recommended: ACCO fixed",
-                "acco_comm_dtype='fp32'", "acco_bucket_numel=", "ring(B, p, bw) =", "alpha 20 / 20 us"):  # fmt: skip
+                "acco_comm_dtype=", "acco_bucket_numel=", "ring(B, p, bw) =", "alpha 20 / 20 us"):  # fmt: skip
         assert row in done.stdout
     out = plan.main([*argv, "--json"])
     assert set(out["predictions"]) == {"ddp:fixed", "sync:fixed", "acco:fixed", "acco:dynamic"}
@@ -152,8 +165,11 @@ def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tm
     assert slower["predictions"]["sync:fixed"]["comm_s"] > out["predictions"]["sync:fixed"]["comm_s"]
     gloo = plan.main([*argv, "--json", "--backend", "gloo"])  # the fitted alpha: TCP's milliseconds
     assert gloo["constants"]["alpha_s"] == plan.FITTED.alpha_s
+    # gloo's reduce-scatter is an all-to-all: between 4 nodes of 8 it moves 6x a ring's bytes out of each node
+    nccl_like = plan.main([*argv, "--json", "--alpha_us", "0"])
+    assert gloo["predictions"]["sync:fixed"]["comm_s"] > 3 * nccl_like["predictions"]["sync:fixed"]["comm_s"]
     assert out["constants"]["alpha_s"]["round"] == pytest.approx(20e-6)
-    stated = plan.main([*argv, "--json", "--alpha_us", "1000", "--efficiency", "0.5"])
+    stated = plan.main([*argv, "--json", "--backend", "gloo", "--alpha_us", "1000", "--efficiency", "0.5"])
     assert stated["predictions"]["sync:fixed"]["comm_s"] == pytest.approx(
         slower["predictions"]["sync:fixed"]["comm_s"]
     )
@@ -202,3 +218,28 @@ def test_the_scaling_benchmark_fits_predicts_and_checks_the_recommendation():
         r["predicted_step_time_s"] = scaling.predict_run(r, c)
     table = scaling.table(runs + check, out)
     assert table.count("(emulated)") == 15 and "Recommendation check at check" in table
+
+
+def test_the_multinode_benchmark_predicts_each_run_from_its_nodes(tmp_path):
+    """The multi-node benchmark's bookkeeping: a run of 2 nodes x 2 ranks is predicted as gloo on that cluster
+    (all-to-all reduce-scatter: the node's uplink carries 2 x 2/4 of the gradients, the ring all-gather 3/4 of
+    the parameters), with the committed constants; the table has every run; ``--from_json`` predicts again."""
+    from hf_acco.bench import multinode
+
+    runs = [
+        {**synthetic_run(4, m, 3.0, acc=a, setting="nodes2x2"), "nodes": 2, "ranks_per_node": 2}
+        for m, a in multinode.METHODS
+    ]
+    multinode.predict(runs, C0)
+    wire = 4 * 4e6 / (200e6 / 8)  # seconds for the gradients (or fp32 parameters) once over a 200 Mbit/s uplink
+    sync = next(r for r in runs if r["method"] == "sync")
+    assert sync["predicted_step_time_s"] == pytest.approx(4 * 0.3 + wire * (1 + 3 / 4))
+    one_per_node = plan.predict("sync", "fixed", plan.Job(4e6, [0.3], 4), flat(4, 0.2), C0)["step_s"]
+    assert one_per_node == pytest.approx(4 * 0.3 + wire * 2 * 3 / 4)  # the scaling benchmark's bridge
+    table = multinode.table(runs)
+    assert table.count("| 2 x 2 (emulated) |") == 4 and "acco dynamic" in table
+    (tmp_path / "in.json").write_text(json.dumps({"command": "x", "runs": runs}))
+    again = multinode.main(["--from_json", str(tmp_path / "in.json"), "--out", str(tmp_path / "out")])
+    assert all(r["predicted_step_time_s"] > 0 for r in again["runs"]) and (tmp_path / "out" / "table.md").exists()
+    with pytest.raises(SystemExit):
+        multinode.main(["--nodes", "1"])

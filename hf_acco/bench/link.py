@@ -14,6 +14,13 @@ bridge, ``ip link add ... type bridge``, ``ip link add ... type veth peer ...``,
 Tear-down: deleting the namespaces (``ip netns del``) deletes the veths, the bridge and the qdiscs with them, at
 exit, on SIGTERM, on an error during set-up; namespaces of a killed run are deleted by the next one.
 
+Nodes (``Link(world_size=N, nodes=n)``): a two-level network, as between machines. The ranks of each node are
+on a bridge of their own (a namespace per node, unshaped veths: the fast network inside a machine), and every
+node's bridge is joined to a core bridge by one veth, the node's uplink: ``shape`` then shapes the uplinks (each
+way: tbf on the node's end, what the node sends, and on the core's end, what it receives), so every byte
+between two nodes crosses two shaped uplinks and a node's ranks share its uplink's rate, as they share a
+machine's NICs. Ranks ``r`` of node ``r // (N // n)``, as launchers number them.
+
 ``Link(loopback=True)`` puts every rank in one namespace on its loopback: unshaped, but its byte counters see
 only the benchmark's traffic. Only the addresses inside the namespaces it creates are used.
 """
@@ -65,21 +72,31 @@ class Link:
     loopback."""
 
     def __init__(
-        self, loopback: bool = False, prefix: str | None = None, world_size: int = 2, bridge: bool | None = None
+        self,
+        loopback: bool = False,
+        prefix: str | None = None,
+        world_size: int = 2,
+        bridge: bool | None = None,
+        nodes: int = 1,
     ) -> None:
         if world_size < 2:
             raise ValueError(f"a link joins at least 2 ranks, got world_size={world_size}")
-        self.loopback, self.world_size = loopback, world_size
-        self.bridge = not loopback and (world_size > 2 if bridge is None else bridge)
-        if not loopback and not self.bridge and world_size != 2:
+        if nodes < 1 or world_size % nodes or (nodes > 1 and loopback):
+            raise ValueError(f"nodes must divide world_size ({world_size}) and need namespaces, got nodes={nodes}")
+        self.loopback, self.world_size, self.nodes = loopback, world_size, nodes
+        self.bridge = not loopback and ((world_size > 2 or nodes > 1) if bridge is None else bridge)
+        if not loopback and not self.bridge and (world_size != 2 or nodes > 1):
             raise ValueError("a veth pair joins 2 ranks: use bridge=True for more")
         self.prefix = prefix or f"hfacco{os.getpid()}"
         tag = f"hfa{os.getpid() % 100000}"
         ranks = range(world_size)
         self.namespaces = [f"{self.prefix}lo"] if loopback else [f"{self.prefix}r{r}" for r in ranks]
         self.devices = ["lo"] if loopback else [f"{tag}v{r}" for r in ranks]
-        self.bridge_namespace = f"{self.prefix}br" if self.bridge else None
+        self.bridge_namespace = f"{self.prefix}br" if self.bridge else None  # the switch (between nodes: the core)
         self.ports = [f"{tag}b{r}" for r in ranks] if self.bridge else []  # the bridge's end of each rank's veth
+        # two levels: a bridge per node, its uplink (node's end, core's end) to the core bridge
+        self.node_namespaces = [f"{self.prefix}n{i}" for i in range(nodes)] if nodes > 1 else []
+        self.uplinks = [(f"{tag}u{i}", f"{tag}c{i}") for i in range(nodes)] if nodes > 1 else []
         self.mbit: float | None = None
         self._up = False
         self._restore: tuple = (None, None)
@@ -93,6 +110,13 @@ class Link:
 
     def namespace(self, rank: int) -> str:
         return self.namespaces[0 if self.loopback else rank]
+
+    def node(self, rank: int) -> int:
+        return rank // (self.world_size // self.nodes)
+
+    def _switch(self, rank: int) -> str:
+        """The namespace of the bridge a rank's veth ends on: its node's, or the only one."""
+        return self.node_namespaces[self.node(rank)] if self.nodes > 1 else self.bridge_namespace
 
     def wrap(self, rank: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(rank), *argv]
@@ -115,16 +139,36 @@ class Link:
         self._restore = (previous, on_term)
         self._up = True
         try:
-            for ns in self.namespaces + ([self.bridge_namespace] if self.bridge else []):
+            for ns in self._all_namespaces():
                 _run("ip", "netns", "add", ns)
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
             if self.bridge:
-                br = self.bridge_namespace
-                _run("ip", "-n", br, "link", "add", "br0", "mtu", str(MTU), "type", "bridge")
-                _run("ip", "-n", br, "link", "set", "br0", "up")
-                for ns, dev, port in zip(self.namespaces, self.devices, self.ports):
+                for br in [self.bridge_namespace, *self.node_namespaces]:
+                    _run("ip", "-n", br, "link", "add", "br0", "mtu", str(MTU), "type", "bridge")
+                    _run("ip", "-n", br, "link", "set", "br0", "up")
+                for rank, (ns, dev, port) in enumerate(zip(self.namespaces, self.devices, self.ports)):
+                    br = self._switch(rank)
                     _run("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", br)
                     _run("ip", "-n", br, "link", "set", port, "mtu", str(MTU), "master", "br0", "up")
+                for node_ns, (up, core_end) in zip(self.node_namespaces, self.uplinks):
+                    core = self.bridge_namespace
+                    _run(
+                        "ip",
+                        "link",
+                        "add",
+                        up,
+                        "netns",
+                        node_ns,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        core_end,
+                        "netns",
+                        core,
+                    )
+                    _run("ip", "-n", node_ns, "link", "set", up, "mtu", str(MTU), "master", "br0", "up")
+                    _run("ip", "-n", core, "link", "set", core_end, "mtu", str(MTU), "master", "br0", "up")
             elif not self.loopback:
                 a, b = self.devices
                 _run("ip", "link", "add", a, "netns", self.namespaces[0], "type", "veth", "peer", "name", b,
@@ -139,13 +183,17 @@ class Link:
         return self
 
     def shape(self, mbit: float | None) -> None:
-        """Limit every rank's link to ``mbit`` Mbit/s each way (tbf on both ends of each veth); ``None`` removes
-        the limit."""
+        """Limit every rank's link (with nodes: every node's uplink) to ``mbit`` Mbit/s each way (tbf on both ends
+        of each veth); ``None`` removes the limit."""
         if self.loopback:
             if mbit is not None:
                 raise ValueError("the loopback link is not shaped")
             return
-        ends = list(zip(self.namespaces, self.devices)) + [(self.bridge_namespace, port) for port in self.ports]
+        if self.nodes > 1:
+            ends = [(ns, up) for ns, (up, _) in zip(self.node_namespaces, self.uplinks)]
+            ends += [(self.bridge_namespace, core_end) for _, core_end in self.uplinks]
+        else:
+            ends = list(zip(self.namespaces, self.devices)) + [(self.bridge_namespace, p) for p in self.ports]
         for ns, dev in ends:
             if mbit is None:
                 subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
@@ -158,7 +206,7 @@ class Link:
             return
         self._up = False
         # deleting a namespace deletes its devices (veth ends, the bridge) and their qdiscs
-        for ns in self.namespaces + ([self.bridge_namespace] if self.bridge else []):
+        for ns in self._all_namespaces():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         atexit.unregister(self.close)  # a run with several links (one per world size) keeps no stale hooks
         previous, ours = self._restore
@@ -169,6 +217,9 @@ class Link:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _all_namespaces(self) -> list[str]:
+        return self.namespaces + ([self.bridge_namespace] if self.bridge else []) + self.node_namespaces
+
 
 def remove_stale() -> list[str]:
     """Delete namespaces left by a benchmark that was killed (SIGKILL skips clean-up): ``hfacco<pid>...`` whose
@@ -176,7 +227,7 @@ def remove_stale() -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     removed = []
     for name in listed:
-        match = re.fullmatch(r"hfacco(\d+)(r\d+|lo|br)", name)
+        match = re.fullmatch(r"hfacco(\d+)(r\d+|n\d+|lo|br)", name)
         if match and not Path(f"/proc/{match.group(1)}").exists():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)

@@ -101,17 +101,19 @@ def interleaved(settings: list[tuple[str, str, int]], repeats: int) -> list[dict
 
 
 def measure(
-    args, label: str, world_size: int, ratio: float, settings, workdir: Path, slow_factor: float = 1.0
+    args, label: str, world_size: int, ratio: float, settings, workdir: Path, slow_factor: float = 1.0, nodes: int = 1
 ) -> list[dict[str, Any]]:
     """One setting on a fresh bridge: every run's median step time and the figures the planner needs. With
-    ``slow_factor`` rank 1's micro-batch takes that many times the others'."""
+    ``slow_factor`` rank 1's micro-batch takes that many times the others'. With ``nodes`` > 1 the ranks are
+    grouped into that many nodes (``Link(nodes=...)``) and ``args.link_mbit`` is each node's uplink."""
     spec = {**base_spec(args), "runs": interleaved(settings, args.repeats), "slow_factor": slow_factor,
             "emulate": {"params": int(args.params), "comm_over_compute": ratio},
             "devices": None, "shared_device": False}  # fmt: skip
-    with Link(world_size=world_size, bridge=True) as link:
+    with Link(world_size=world_size, bridge=True, nodes=nodes) as link:
         link.shape(args.link_mbit)
         spec["devices"] = [link.device(r) for r in range(world_size)]
-        print(f"[scaling] {label}: {world_size} ranks, {args.link_mbit:g} Mbit/s each, ratio {ratio:g}", flush=True)
+        each = f"{nodes} nodes, each node's uplink" if nodes > 1 else "each rank's link"
+        print(f"[bench] {label}: {world_size} ranks, {each} {args.link_mbit:g} Mbit/s, ratio {ratio:g}", flush=True)
         logs = run_setting(label, link, spec, workdir, args.timeout_s)
     comm = {key: max(log["comm"][key] or 0.0 for log in logs) for key in ("all_to_all_s", "all_reduce_s")}
     numel = logs[0]["comm"]["numel"]
@@ -122,7 +124,8 @@ def measure(
                                           window=world_size * 2 * key[2]) for i in idx]  # fmt: skip
         steps = [s["step_time_s"] for s in summaries]
         out.append({
-            "setting": label, "world_size": world_size, "method": key[0], "accumulation": key[1],
+            "setting": label, "world_size": world_size, "nodes": nodes, "ranks_per_node": world_size // nodes,
+            "method": key[0], "accumulation": key[1],
             "micro_batches": key[2], "emulated": True, "link_mbit": args.link_mbit, "params": numel,
             "comm_over_compute": ratio, "slow_factor": slow_factor, "t_micro_s": [log["t_micro"] for log in logs],
             "round_alone_s": comm["all_to_all_s"], "all_reduce_alone_s": comm["all_reduce_s"],
@@ -136,11 +139,20 @@ def measure(
 
 
 def job_and_cluster(run: dict[str, Any]) -> tuple[plan.Job, plan.Cluster]:
-    """The planner's view of a benchmark run: one rank per bridge port (``gpus_per_node`` 1)."""
+    """The planner's view of a benchmark run: gloo; one rank per bridge port (``gpus_per_node`` 1), or the
+    run's nodes, each with its uplink (``inter_gbit``) and its ranks on an unshaped bridge (``intra_gbit``: as
+    good as unlimited)."""
     p = run["world_size"]
     job = plan.Job(params=run["params"], micro_batch_s=run["t_micro_s"], micro_batches=run["micro_batches"],
                    micro_batch_tokens=1, grad_bytes=4, param_bytes=4)  # fmt: skip
-    return job, plan.Cluster(gpus=p, gpus_per_node=1, intra_gbit=1e9, inter_gbit=run["link_mbit"] / 1000)
+    cluster = plan.Cluster(
+        gpus=p,
+        gpus_per_node=run.get("ranks_per_node", 1),
+        intra_gbit=1e9,
+        inter_gbit=run["link_mbit"] / 1000,
+        backend="gloo",
+    )
+    return job, cluster
 
 
 def fit_constants(runs: list[dict[str, Any]]) -> plan.Constants:
