@@ -1,4 +1,4 @@
-.PHONY: style quality test test-slow test-gpu test-latest bench bench-ab
+.PHONY: style quality test test-slow test-gpu test-latest bench bench-ab docs
 
 PY ?= python3
 
@@ -32,3 +32,7 @@ test-latest:
 # tree, alternated on this machine (about 12 minutes for 2 rounds). Ratios side by side; a measurement, not a test.
 bench-ab:
 	$(PY) benchmarks/bench_ab.py --base $(BASE) --rounds $(or $(ROUNDS),2)
+
+# The tables of README.md and docs/ from the code and recipes/results/ (tests/test_docs.py checks they are current)
+docs:
+	$(PY) -m hf_acco.docs

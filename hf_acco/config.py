@@ -6,7 +6,6 @@ without resetting its defaults; ``ACCOConfig`` is the mixin plus TrainingArgumen
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -54,105 +53,127 @@ def check_halves(args: TrainingArguments) -> None:
         )
 
 
+# settings that did nothing under ACCOTrainer: still parsed (so that passing one says what to do), then refused
+REMOVED_SETTINGS = ("acco_min_micro_batches",)
+
+
 @dataclass
 class ACCOConfigMixin:
     """Only the ``acco_*`` settings and their checks, for any TrainingArguments subclass:
     ``@dataclass class MyConfig(ACCOConfigMixin, SFTConfig)`` keeps every default of ``SFTConfig``.
 
-    Parameters:
-        acco_schedule (`str`, *optional*, defaults to `"acco"`):
-            `"acco"` (estimate + correction halves), `"dpu"` (one-step delayed update) or `"sync"` (ZeRO-1, no
-            overlap; equals DDP).
-        acco_accumulation (`str`, *optional*, defaults to `"fixed"`):
-            `"fixed"`: `gradient_accumulation_steps` micro-batches per step per rank (reproducible). `"dynamic"`:
-            slower and faster GPUs together: each step is one global batch of `world_size x
-            gradient_accumulation_steps` micro-batches, and every rank computes as many of them as its speed allows
-            (each claims the next micro-batch of a shared, seeded order of the data: every sample once per epoch).
-            `gradient_accumulation_steps` is what a rank of average speed computes; the global batch, the steps per
-            epoch and the learning-rate schedule are those of DDP with the same settings.
-        acco_min_micro_batches (`int`, *optional*, defaults to 1):
-            Not used by ACCOTrainer (a half is half of the global batch, whoever computes it); the engine's own
-            dynamic mode (`ACCOOptimizer(accumulation="dynamic")`, hand-written loops) takes it as
-            `min_micro_batches`. Another value warns.
-        acco_warmup_steps (`int`, *optional*, defaults to 0):
-            Synchronous optimizer steps before the schedule starts (ACCO needs none; DPU often does).
-        acco_reduce_scatter (`str`, *optional*, defaults to `"auto"`):
-            How the reduce-scatter is spelled: `"auto"` (all-to-all on gloo, native on NCCL), `"native"`,
-            `"all_to_all"`.
-        acco_bucket_numel (`int`, *optional*):
-            Elements per communication bucket (default: automatic, about 16 buckets of 256 KiB to 16 MiB on gloo,
-            16 MiB to 1 GiB on NCCL).
-        acco_nonfinite (`str`, *optional*, defaults to `"skip"`):
-            When the averaged gradient has an inf or NaN (every rank sees the same all-reduced norm): `"skip"` the
-            step everywhere (counted as `acco_skipped_steps`), or `"error"`: stop.
-        acco_comm_timeout_s (`float`, *optional*, defaults to 1800):
-            Timeout of the round's collectives: a dead peer raises an error after this long instead of hanging.
-        acco_comm_dtype (`str`, *optional*, defaults to `"auto"`):
-            Gradients on the wire: `"auto"` (the model's dtype, as DDP: bf16 for a bf16 model, fp32 otherwise),
-            `"fp32"` or `"bf16"` (half the bytes of the reduce-scatter and a bf16 round buffer; each rank's fp32 sums
-            rounded once). Parameters are all-gathered in the model's dtype either way.
-        acco_allow_custom_optimizer (`bool`, *optional*, defaults to `False`):
-            Accept an optimizer class given as `optimizer_cls_and_kwargs` that ACCO does not know to be element-wise
-            (you vouch that each element's update depends only on that element).
-        acco_grad_dtype (`str`, *optional*, defaults to `"fp32"`):
-            Gradient accumulation: `"fp32"`, or `"bf16"` for bf16 models with `acco_comm_dtype="bf16"` (half the
-            accumulation buffer, for the largest models; each micro-batch's gradient is rounded as it is added).
+    Every field's meaning, default and when to change it are its ``help`` (shown by ``--help`` under
+    ``HfArgumentParser``; the README's options table is rendered from them by ``python -m hf_acco.docs``).
     """
 
     acco_schedule: str = field(
         default="acco",
         metadata={
-            "help": "acco (estimate + correction halves), dpu (one-step delayed update) or sync (ZeRO-1, no overlap).",
+            "help": (
+                "acco: two rounds per step hidden behind compute, each half's gradients at an estimate of the "
+                "next parameters (the point of ACCO). sync: ZeRO-1 without overlap, equal to DDP (a baseline, or "
+                "where communication is cheap). dpu: a one-step delayed update (hides communication, converges "
+                "worse)."
+            ),
             "choices": ["acco", "dpu", "sync"],
         },
     )
     acco_accumulation: str = field(
         default="fixed",
         metadata={
-            "help": "fixed: gradient_accumulation_steps micro-batches per step per rank. dynamic: a global batch of "
-            "world_size x gradient_accumulation_steps micro-batches per step, each rank computing as many as its "
-            "speed allows.",
+            "help": (
+                "fixed: gradient_accumulation_steps micro-batches per step on every rank (reproducible). dynamic: "
+                "for GPUs of unequal speed: a global batch of world_size x gradient_accumulation_steps "
+                "micro-batches per step, each rank computing as many of them as its speed allows (every sample "
+                "once per epoch)."
+            ),
             "choices": ["fixed", "dynamic"],
         },
     )
-    acco_min_micro_batches: int = field(
-        default=1, metadata={"help": "Not used by ACCOTrainer (the engine's own dynamic mode: least per half)."}
+    acco_min_micro_batches: int | None = field(
+        default=None,
+        metadata={
+            "help": "Removed: it had no effect under ACCOTrainer (a half is half of the global batch, whoever "
+            "computes it). Set gradient_accumulation_steps instead; a hand-written loop with the engine's own "
+            "dynamic mode passes min_micro_batches to prepare_acco or ACCOOptimizer."
+        },
     )
     acco_warmup_steps: int = field(
-        default=0, metadata={"help": "Synchronous optimizer steps before the schedule starts."}
+        default=0,
+        metadata={
+            "help": (
+                "Synchronous optimizer steps before the schedule starts. acco needs none; dpu converges better "
+                "with some."
+            )
+        },
     )
     acco_reduce_scatter: str = field(
         default="auto",
-        metadata={"help": "Reduce-scatter spelling.", "choices": ["auto", "native", "all_to_all"]},
+        metadata={
+            "help": (
+                "How the gradients' reduce-scatter is spelled: auto (all-to-all on gloo, native on NCCL), native "
+                "or all_to_all. Leave it on auto."
+            ),
+            "choices": ["auto", "native", "all_to_all"],
+        },
     )
     acco_bucket_numel: int | None = field(
-        default=None, metadata={"help": "Elements per communication bucket (default: about 16 buckets)."}
+        default=None,
+        metadata={
+            "help": (
+                "Elements per communication bucket. Default: automatic (about 16 buckets of 256 KiB-16 MiB on "
+                "gloo, 16 MiB-1 GiB on NCCL); python -m hf_acco.plan suggests one for slow links."
+            )
+        },
     )
     acco_nonfinite: str = field(
         default="skip",
         metadata={
-            "help": "When the averaged gradient has an inf/NaN: skip the step on every rank, or stop with an error.",
+            "help": (
+                "An inf/NaN in the averaged gradient (every rank sees the same norm): skip the step on every rank "
+                "(counted as acco_skipped_steps), or error: stop."
+            ),
             "choices": ["skip", "error"],
         },
     )
     acco_comm_timeout_s: float = field(
         default=1800.0,
-        metadata={"help": "Timeout in seconds of the round's collectives (a dead peer raises instead of hanging)."},
+        metadata={
+            "help": (
+                "Seconds a round's collectives wait for a peer before the job stops with an error naming it. "
+                "Raise it only if a healthy round can take longer."
+            )
+        },
     )
     acco_comm_dtype: str = field(
         default="auto",
-        metadata={"help": "Gradients on the wire: auto (the model's dtype, as DDP), fp32 or bf16 (parameters go in "
-                  "the model's dtype).", "choices": ["auto", "fp32", "bf16"]},
-    )  # fmt: skip
+        metadata={
+            "help": (
+                "Gradients on the wire: auto (the model's dtype, as DDP does: bf16 for a bf16 model), fp32 "
+                "(exact; more bytes and a larger round buffer) or bf16. Parameters travel in the model's dtype."
+            ),
+            "choices": ["auto", "fp32", "bf16"],
+        },
+    )
     acco_allow_custom_optimizer: bool = field(
         default=False,
-        metadata={"help": "Accept an optimizer class (optimizer_cls_and_kwargs) not known to be element-wise."},
+        metadata={
+            "help": (
+                "Accept an optimizer class given as optimizer_cls_and_kwargs that ACCO does not know to be "
+                "element-wise (you vouch that each element's update depends only on that element)."
+            )
+        },
     )
     acco_grad_dtype: str = field(
         default="fp32",
-        metadata={"help": "Gradient accumulation: fp32, or bf16 (bf16 models with acco_comm_dtype=bf16).",
-                  "choices": ["fp32", "bf16"]},
-    )  # fmt: skip
+        metadata={
+            "help": (
+                "Gradient accumulation: fp32, or bf16 to halve the accumulation buffer of the largest bf16 models "
+                "(needs bf16 on the wire; each micro-batch's gradient rounded as it is added)."
+            ),
+            "choices": ["fp32", "bf16"],
+        },
+    )
 
     def __post_init__(self) -> None:
         check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
@@ -160,16 +181,10 @@ class ACCOConfigMixin:
         check_halves(self)
         if self.acco_accumulation not in ("fixed", "dynamic"):
             raise ValueError(f"acco_accumulation must be 'fixed' or 'dynamic', got {self.acco_accumulation!r}")
-        validate_settings(
-            self.acco_schedule, engine_accumulation(self), engine_micro_batches(self), self.acco_min_micro_batches
-        )
-        if self.acco_min_micro_batches != 1:
-            warnings.warn(
-                "acco_min_micro_batches has no effect under ACCOTrainer: with acco_accumulation='dynamic' each half "
-                "is half of the global batch (world_size x gradient_accumulation_steps micro-batches), whoever "
-                "computes it. Set gradient_accumulation_steps instead.",
-                stacklevel=2,
-            )
+        validate_settings(self.acco_schedule, engine_accumulation(self), engine_micro_batches(self))
+        for name in REMOVED_SETTINGS:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: {self.__dataclass_fields__[name].metadata['help']}")
         if self.acco_accumulation == "dynamic" and self.average_tokens_across_devices:
             # Trainer would all-gather token counts every step, holding fast ranks back to the slowest; ACCOTrainer
             # undoes the per-rank normalisation exactly instead (see ACCOTrainer._micro_batch_weight).

@@ -13,7 +13,7 @@ The same engine runs the baselines: ``dpu`` (one-step delayed update, one round 
 (reproducible); ``dynamic`` keeps computing micro-batches until the round in flight has finished, or is
 expected to finish within half of this rank's next micro-batch (starting it would hold up the next round).
 
-This module is the facade users call. Each job has a module of its own (README, "How it works"): schedule.py
+This module is the facade users call. Each job has a module of its own (``docs/architecture.md``): schedule.py
 (the step machine), halves.py (when a half ends), buffers.py (the buffer pair), rounds.py (a round's body),
 inflight.py (the round in flight), shard_state.py (the shard's state dict), stats.py, comm.py, optim.py.
 

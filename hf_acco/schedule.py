@@ -1,6 +1,6 @@
 """The step machine: schedules, phases and what each optimizer-step boundary does (pure Python).
 
-One optimizer step of ``acco`` has two halves (``../shared/docs/acco.md``)::
+One optimizer step of ``acco`` has two halves (``docs/algorithm.md``)::
 
     phase       computes at          ends with (boundary)                                      round it launches
     ESTIMATE    the estimate θ̃_t     A→B: wait for the commit round of t-1, load θ_t            ESTIMATE (G_A)

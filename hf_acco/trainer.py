@@ -164,7 +164,6 @@ def _check_args(training_args: TrainingArguments) -> None:
         _setting(training_args, "acco_schedule", "acco"),
         engine_accumulation(training_args),
         engine_micro_batches(training_args),
-        _setting(training_args, "acco_min_micro_batches", 1),
     )
     if training_args.n_gpu > 1:
         raise ValueError(
@@ -325,7 +324,6 @@ class ACCOTrainerMixin:
             schedule=_setting(args, "acco_schedule", "acco"),
             accumulation=engine_accumulation(args),
             micro_batches=engine_micro_batches(args),
-            min_micro_batches=_setting(args, "acco_min_micro_batches", 1),
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             warmup_steps=_setting(args, "acco_warmup_steps", 0),
             communicator=Communicator(

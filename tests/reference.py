@@ -1,4 +1,4 @@
-"""A single-process implementation of the equations in docs/acco.md, used as the tests' oracle.
+"""A single-process implementation of the equations in docs/algorithm.md, used as the tests' oracle.
 
 It shares no code with hf_acco: full (unsharded) torch optimizer on the model's own parameters,
 ``torch.nn.utils.clip_grad_norm_`` for clipping, and snapshot/restore (deepcopy) for the estimate step.

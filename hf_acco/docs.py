@@ -1,0 +1,293 @@
+"""Tables of README.md and docs/*.md rendered from the code and the committed results, never typed by hand.
+
+    python -m hf_acco.docs            # rewrite every rendered block in place
+    python -m hf_acco.docs --check    # exit 1 and name each block that differs (tests/test_docs.py runs it)
+
+A rendered block is the text between ``<!-- rendered: NAME -->`` and ``<!-- /rendered -->``, NAME one of
+:data:`RENDERERS`; everything outside the blocks is prose. A figure that changes (a rerun benchmark, a refitted
+planner, a new setting) changes its block when this command is rerun, and the test fails until it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "recipes" / "results"
+BLOCK = re.compile(r"(<!-- rendered: ([\w-]+) -->\n)(.*?)(<!-- /rendered -->)", re.S)
+
+
+def options_table() -> str:
+    """Every ``acco_*`` field of ``ACCOConfigMixin``: its default and its help (the one place they are declared)."""
+    from hf_acco.config import REMOVED_SETTINGS, ACCOConfigMixin
+
+    rows = ["| option | default | what it does, when to change it |", "|---|---|---|"]
+    removed = []
+    for f in dataclasses.fields(ACCOConfigMixin):
+        if f.name in REMOVED_SETTINGS:
+            removed.append(f"`{f.name}`")
+            continue
+        shown = f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
+        default = "automatic" if f.default is None else f"`{shown}`"
+        rows.append(f"| `{f.name}` | {default} | {f.metadata['help']} |")
+    note = f"\nRemoved, refused with what to do instead: {', '.join(removed)}.\n" if removed else ""
+    return "\n".join(rows) + "\n" + note
+
+
+def planner_examples() -> str:
+    from hf_acco import plan
+
+    return plan.examples_table()
+
+
+def multinode_table() -> str:
+    from hf_acco.bench import multinode
+
+    payload = json.loads((RESULTS / "multinode" / "benchmark.json").read_text())
+    return multinode.table(payload["runs"])
+
+
+def _load(path: str) -> dict:
+    return json.loads((RESULTS / path).read_text())
+
+
+def _to_target(run: dict | None, ddp: dict) -> str:
+    """A run's time to the target loss over DDP's, or - when either did not reach it."""
+    if not (run and run.get("time_to_target_s") and ddp.get("time_to_target_s")):
+        return "-"
+    return f"{run['time_to_target_s'] / ddp['time_to_target_s']:.2f}"
+
+
+def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
+    """The headline benchmark's ratios per setting (``python -m hf_acco.bench``; definitions: bench/report.py)."""
+    runs = _load(path)["runs"]
+    rows = [
+        "| setting | link | comm / compute | acco / sync | acco / DDP | acco overlap efficiency | "
+        "time to target / DDP: acco fixed, acco dynamic |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for setting in dict.fromkeys(r["setting"] for r in runs):
+        by = {(r["method"], r["accumulation"]): r for r in runs if r["setting"] == setting}
+        acco, sync, ddp = by[("acco", "fixed")], by[("sync", "fixed")], by[("ddp", "fixed")]
+        link = "unshaped loopback" if acco["link_mbit"] is None else f"{acco['link_mbit']:.0f} Mbit/s"
+        if acco["slow_factor"] != 1:
+            link += f", rank 1 {acco['slow_factor']:g}x slower"
+        # unshaped loopback: almost nothing to hide, the efficiency is noise
+        shaped = acco["link_mbit"] is not None and acco["overlap_efficiency"] is not None
+        eff = f"{acco['overlap_efficiency']:.2f}" if shaped else "-"
+
+        dynamic = by.get(("acco", "dynamic"))
+        rows.append(
+            f"| {setting} | {link} | {acco['comm_over_compute_measured']:.2f} | "
+            f"{acco['step_time_s'] / sync['step_time_s']:.2f} | {acco['step_time_s'] / ddp['step_time_s']:.2f} "
+            f"| {eff} | {_to_target(acco, ddp)}, {_to_target(dynamic, ddp)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def methods_table(*paths: str) -> str:
+    """Every method of the shaped settings of these benchmark.json files: step, bytes, time to target, each
+    against DDP's in the same setting."""
+    rows = [
+        "| setting | method | step (s) | step / DDP's | MB per step per rank | time to target / DDP's |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for path in paths:
+        runs = [r for r in _load(path)["runs"] if r["setting"] != "loopback"]
+        for r in runs:
+            ddp = next(d for d in runs if d["setting"] == r["setting"] and d["method"] == "ddp")
+            name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
+            rows.append(
+                f"| {r['setting']} ({r['link_mbit']:.0f} Mbit/s) | {name} | {r['step_time_s']:.3f} | "
+                f"{r['step_time_s'] / ddp['step_time_s']:.2f} | {r['bytes_per_step'] / 1e6:.1f} | "
+                f"{_to_target(r, ddp)} |"
+            )
+    return "\n".join(rows) + "\n"
+
+
+def scaling_table() -> str:
+    """``python -m hf_acco.bench.scaling``: measured median step and the planner's prediction per method."""
+    runs = [r for r in _load("scaling/benchmark.json")["runs"] if not r["setting"].startswith("check")]
+    names = [("acco", "fixed"), ("acco", "dynamic"), ("sync", "fixed"), ("ddp", "fixed")]
+    rows = [
+        "| ranks (emulated) | round alone (s) | acco fixed: step / predicted | acco dynamic | sync (ZeRO-1) | DDP "
+        "| acco fixed / sync |",
+        "|---|---:|---|---|---|---|---:|",
+    ]
+    for setting in dict.fromkeys(r["setting"] for r in runs):
+        by = {(r["method"], r["accumulation"]): r for r in runs if r["setting"] == setting}
+        first = by[("acco", "fixed")]
+        label = f"{first['world_size']}" + (
+            f", rank 1 {first['slow_factor']:g}x slower" if first["slow_factor"] != 1 else ""
+        )
+        cells = [
+            f"{by[k]['step_time_s']:.3f} / {by[k]['predicted_step_time_s']:.3f} "
+            f"({by[k]['predicted_step_time_s'] / by[k]['step_time_s'] - 1:+.0%})"
+            for k in names
+        ]
+        ratio = first["step_time_s"] / by[("sync", "fixed")]["step_time_s"]
+        rows.append(f"| {label} | {first['round_alone_s']:.3f} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    return "\n".join(rows) + "\n"
+
+
+def engine_bytes() -> str:
+    """``python benchmarks/engine.py bytes``: bytes on the wire of one round's collectives on gloo (2 ranks)."""
+    rows = {r["spelling"]: r for r in json.loads((RESULTS / "engine" / "bytes.json").read_text())}
+    names = {
+        "all_to_all": "all-to-all reduce-scatter + all-gather (hf_acco on gloo)",
+        "native": "native reduce-scatter + all-gather",
+        "all_reduce": "one all-reduce (reference)",
+    }
+    out = [
+        "| collectives of one round | buffer (MB) | on the wire, both ranks (MB) | vs one all-reduce |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, name in names.items():
+        r = rows[key]
+        ratio = r["wire_bytes_all_ranks"] / rows["all_reduce"]["wire_bytes_all_ranks"]
+        out.append(
+            f"| {name} | {r['buffer_bytes'] / 1e6:.1f} | {r['wire_bytes_all_ranks'] / 1e6:.1f} | {ratio:.2f}x |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main_job() -> str:
+    """The main job's committed run (``recipes/results/main_job/result.json``, written by its command)."""
+    run = _load("main_job/result.json")
+    m = run["metrics"]
+    return (
+        f"Measured ({run['machine']}, `{run['command']}`): held-out exact match {m['exact_match_before']:.3f} -> "
+        f"{m['exact_match_after']:.3f}, held-out loss {m['heldout_loss_before']:.3f} -> {m['heldout_loss']:.3f}, "
+        f"{m['steps']} steps in {m['train_seconds']:.0f} s. On another processor the CPU kernels round differently "
+        "and the trajectory moves: expect figures near these, not equal.\n"
+    )
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}" if n < 10e9 else f"{n / 1e9:.1f}"
+
+
+def memory_table() -> str:
+    """``hf_acco.memory`` for bf16 models on 8 ranks (NCCL, fused AdamW): GB per rank on the GPU, activations not
+    counted; the baselines with fp32 gradient accumulation and Adam."""
+    import torch
+
+    from hf_acco.memory import GIB, baselines, engine_memory
+
+    models = (("125M", 125e6), ("1.3B", 1.3e9), ("2.7B", 2.7e9), ("7B", 7e9), ("Llama-2-7B (6.74B)", 6.74e9))
+    wires = ({}, {"comm_dtype": torch.float32}, {"comm_dtype": torch.bfloat16, "grad_dtype": torch.bfloat16})
+    rows = [
+        "| model (bf16), 8 ranks | DDP | ZeRO-1 | ZeRO-2 | hf_acco, default (bf16 wire): persistent / peak "
+        "| fp32 wire "
+        "| bf16 wire + bf16 accumulation | host pinned per rank (GiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, params in models:
+        numel = int(params)
+        base = baselines(numel, 8, torch.bfloat16)
+        reports = [engine_memory(numel, 8, param_dtype=torch.bfloat16, **w) for w in wires]
+        cells = [_gb(base[k]) for k in ("DDP", "ZeRO-1", "ZeRO-2")]
+        cells += [f"{_gb(r.persistent_bytes)} / {_gb(r.peak_bytes)}" for r in reports]
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {reports[0].host_bytes / GIB:.2f} |")
+    return "\n".join(rows) + "\n"
+
+
+def bf16_wire_table() -> str:
+    """``recipes/pretrain_clm.py`` with bf16 against fp32 on the wire (and sync's bf16 against DDP's bf16 hook),
+    seed 0: final validation loss and the largest gap over the evaluations."""
+    runs = {name: _load(f"convergence/bf16_wire/{name}_seed0.json") for name in ("acco_fp32", "acco_bf16")}
+    runs.update({name: _load(f"convergence/bf16_wire/{name}_seed0.json") for name in ("ddp_bf16", "sync_bf16")})
+    rows = [
+        "| run | against | final validation loss | gap | largest gap over the evaluations |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for run, base in (("acco_bf16", "acco_fp32"), ("sync_bf16", "ddp_bf16")):
+        a, b = runs[run], runs[base]
+        assert a["eval_steps"] == b["eval_steps"], (run, base)
+        gaps = [abs(x / y - 1) for x, y in zip(a["val_losses"], b["val_losses"])]
+        rows.append(
+            f"| {run} | {base} | {a['final_val_loss']:.4f} / {b['final_val_loss']:.4f} | "
+            f"{a['final_val_loss'] / b['final_val_loss'] - 1:+.3%} | {max(gaps):.3%} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "benchmark": benchmark_table,
+    "benchmark-rerun": lambda: benchmark_table("benchmark/rerun_2026-12-01/benchmark.json"),
+    "benchmark-heterogeneous": lambda: methods_table(
+        "benchmark/heterogeneous/slow2x_ratio0.5/benchmark.json",
+        "benchmark/heterogeneous/slow2x_ratio1/benchmark.json",
+    ),
+    "benchmark-bf16": lambda: methods_table("benchmark/bf16_wire/benchmark.json"),
+    "scaling": scaling_table,
+    "options": options_table,
+    "planner-examples": planner_examples,
+    "multinode": multinode_table,
+    "memory": memory_table,
+    "main-job": main_job,
+    "engine-bytes": engine_bytes,
+    # tables the study commands wrote beside their results, as they are
+    "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
+    "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),
+    "bf16-wire-convergence": lambda: bf16_wire_table(),
+}
+
+
+def documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def render(text: str, where: str = "") -> str:
+    """``text`` with every rendered block rendered anew."""
+
+    def fill(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in RENDERERS:
+            raise ValueError(f"{where}: unknown rendered block {name!r}; known: {', '.join(RENDERERS)}")
+        return match.group(1) + RENDERERS[name]().rstrip("\n") + "\n" + match.group(4)
+
+    return BLOCK.sub(fill, text)
+
+
+def stale() -> list[str]:
+    """``file: block`` of every rendered block that differs from what it renders now."""
+    out = []
+    for path in documents():
+        text = path.read_text()
+        fresh = render(text, path.name)
+        if fresh != text:
+            old = {m.group(2): m.group(3) for m in BLOCK.finditer(text)}
+            new = {m.group(2): m.group(3) for m in BLOCK.finditer(fresh)}
+            out += [f"{path.relative_to(ROOT)}: {name}" for name in old if old[name] != new.get(name)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_acco.docs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        names = stale()
+        for name in names:
+            print(f"stale: {name} (rerun `python -m hf_acco.docs`)")
+        return 1 if names else 0
+    for path in documents():
+        text = path.read_text()
+        fresh = render(text, path.name)
+        if fresh != text:
+            path.write_text(fresh)
+            print(f"rendered {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
