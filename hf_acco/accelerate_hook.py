@@ -47,8 +47,8 @@ from .checkpoint import load_optimizer_state, save_optimizer_state
 from .claims import ClaimingBatchSampler, default_store
 from .comm import check_world_size
 from .core import ACCOOptimizer
+from .distributed import agreed_key, ensure_process_group
 from .pacing import Pacer
-from .trainer import _agreed_key, _ensure_process_group
 
 
 class ACCOAcceleratedOptimizer(AcceleratedOptimizer):
@@ -91,7 +91,7 @@ def prepare_acco(
     ends its steps itself (``auto_step``). Collective: every rank.
     """
     check_world_size(accelerator.num_processes)
-    _ensure_process_group(accelerator.device)
+    ensure_process_group(accelerator.device)
     model = accelerator.prepare_model(model, evaluation_mode=True)  # autocast and placement; ACCO averages
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
@@ -148,9 +148,9 @@ def acco_dataloader(
     epoch; ``state_dict()`` at a step boundary is the position to resume from (``load_state_dict``), on any
     number of ranks. Collective: every rank (they agree on the claim counter's name).
     """
-    _ensure_process_group(accelerator.device)
+    ensure_process_group(accelerator.device)
     store = default_store() if dist.get_world_size() > 1 else dist.HashStore()
     sampler = ClaimingBatchSampler(store, len(dataset), batch_size, seed=seed, drop_last=drop_last, shuffle=shuffle,
-                                   num_replicas=accelerator.num_processes, key=_agreed_key("claims"))  # fmt: skip
+                                   num_replicas=accelerator.num_processes, key=agreed_key("claims"))  # fmt: skip
     loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
     return Pacer(loader, sampler, micro_batches or accelerator.num_processes * accelerator.gradient_accumulation_steps)

@@ -157,6 +157,16 @@ def engine_bytes() -> str:
     return "\n".join(out) + "\n"
 
 
+def lifecycle_table() -> str:
+    """``python benchmarks/engine.py lifecycle``: peak RSS per rank after each phase (MB)."""
+    runs = json.loads((RESULTS / "lifecycle" / "lifecycle.json").read_text())
+    rows = ["| ranks | rank | peak RSS after each phase (MB) |", "|---:|---:|---|"]
+    for r in runs:
+        phases = ", ".join(f"{phase} {rss / 1e6:,.0f}" for phase, rss in r["peak_rss_bytes"].items())
+        rows.append(f"| {r['world_size']} | {r['rank']} | {phases} |")
+    return "\n".join(rows) + "\n"
+
+
 def main_job() -> str:
     """The main job's committed run (``recipes/results/main_job/result.json``, written by its command)."""
     run = _load("main_job/result.json")
@@ -233,6 +243,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "memory": memory_table,
     "main-job": main_job,
     "engine-bytes": engine_bytes,
+    "lifecycle": lifecycle_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),

@@ -1,6 +1,6 @@
 """Will ACCO help on my cluster? An alpha-beta cost model of one optimizer step for DDP, ZeRO-1 and ACCO.
 
-    python -m hf_acco.plan --params 1.3e9 --gpus 32 --gpus_per_node 8 --intra_gbit 2400 --inter_gbit 100 \\
+    python -m hf_acco.plan --params 1.3e9 --world_size 32 --gpus_per_node 8 --intra_gbit 2400 --inter_gbit 100 \\
         --micro_batch_s 0.32 --micro_batches 8
 
 prints the predicted step time, tokens/s and exposed communication of DDP (as Trainer runs it), ZeRO-1 and ACCO
@@ -399,13 +399,26 @@ def load_constants(path: str | Path) -> Constants:
 # The typical clusters of the README's table (`python -m hf_acco.plan --examples` renders it): a 1.3 B-parameter
 # bf16 model, micro-batches of 8 x 2048 tokens at 0.32 s on a GPU, up to 8 per step, A100 NVLink inside a node
 COMMON = ["--params", "1.3e9", "--micro_batches", "8", "--intra_gbit", "2400", "--gpus_per_node", "8"]
+# (--world_size: all GPUs of the job)
 EXAMPLES = (
-    ("1 node x 8 GPUs (NVLink)", [*COMMON, "--gpus", "8", "--micro_batch_s", "0.32"]),
-    ("4 x 8 over 100 Gbit/s", [*COMMON, "--gpus", "32", "--inter_gbit", "100", "--micro_batch_s", "0.32"]),
-    ("16 x 8 over 25 Gbit/s", [*COMMON, "--gpus", "128", "--inter_gbit", "25", "--micro_batch_s", "0.32"]),
+    ("1 node x 8 GPUs (NVLink)", [*COMMON, "--world_size", "8", "--micro_batch_s", "0.32"]),
+    ("4 x 8 over 100 Gbit/s", [*COMMON, "--world_size", "32", "--inter_gbit", "100", "--micro_batch_s", "0.32"]),
+    ("16 x 8 over 25 Gbit/s", [*COMMON, "--world_size", "128", "--inter_gbit", "25", "--micro_batch_s", "0.32"]),
     (
         "8 fast + 8 slow (2.5x) over 100 Gbit/s",
-        [*COMMON, "--gpus", "16", "--inter_gbit", "100", "--micro_batch_s", "0.32", "0.8", "--group_gpus", "8", "8"],
+        [
+            *COMMON,
+            "--world_size",
+            "16",
+            "--inter_gbit",
+            "100",
+            "--micro_batch_s",
+            "0.32",
+            "0.8",
+            "--group_gpus",
+            "8",
+            "8",
+        ],
     ),
 )
 
@@ -439,7 +452,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_acco.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--params", type=float, help="trainable parameters, e.g. 1.3e9 (required)")
-    p.add_argument("--gpus", type=int, help="GPUs of the job, all nodes together (required)")
+    p.add_argument(
+        "--world_size", "--gpus", dest="gpus", type=int, help="GPUs (ranks) of the job, all nodes together (required)"
+    )
     p.add_argument("--gpus_per_node", type=int, default=8)
     p.add_argument(
         "--intra_gbit",
@@ -472,7 +487,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro_batch_tokens", type=int, default=16384, help="tokens of one micro-batch (8 x 2048)")
     p.add_argument("--micro_batches", type=int, default=8, help="per GPU per step: the most the plan may use")
     p.add_argument(
+        "--param_dtype",
         "--model_dtype",
+        dest="model_dtype",
         choices=["bf16", "fp32"],
         default="bf16",
         help="the weights (all-gathered; DDP all-reduces gradients in it)",
@@ -501,13 +518,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
     if args.params is None or args.gpus is None:
-        parser.error("state --params (trainable parameters) and --gpus (all nodes together)")
+        parser.error("state --params (trainable parameters) and --world_size (GPUs, all nodes together)")
     if (args.micro_batch_s is None) == (args.tokens_per_s is None):
         parser.error("state one of --micro_batch_s (seconds per micro-batch) or --tokens_per_s (per GPU)")
     times = args.micro_batch_s or [args.micro_batch_tokens / args.tokens_per_s]
     if args.group_gpus is not None:
         if len(args.group_gpus) != len(times) or sum(args.group_gpus) != args.gpus:
-            parser.error("--group_gpus needs one count per --micro_batch_s, adding up to --gpus")
+            parser.error("--group_gpus needs one count per --micro_batch_s, adding up to --world_size")
         times = [t for t, n in zip(times, args.group_gpus) for _ in range(n)]
     elif len(times) > 1:
         parser.error("several --micro_batch_s need --group_gpus (how many GPUs have each)")

@@ -40,7 +40,6 @@ import logging
 import math
 import os
 import re
-import uuid
 from typing import Any
 
 import datasets
@@ -51,11 +50,13 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_pt_utils import IterableDatasetShard, LengthGroupedSampler, get_length_grouped_indices
 from transformers.trainer_utils import has_length, seed_worker
 
+from .baselines import check_ddp_wrapped  # noqa: F401  (its old import path, kept for scripts)
 from .checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
 from .claims import ClaimingBatchSampler, StreamTickets, default_store
 from .comm import Communicator, PeerFailure, check_world_size, is_peer_failure, node
 from .config import check_halves, check_supported, engine_accumulation, engine_micro_batches, splits_batches
 from .core import ACCOOptimizer
+from .distributed import agreed_key, ensure_process_group, every_rank
 from .optim import check_elementwise
 from .pacing import Pacer
 from .schedule import Accumulation, validate_settings
@@ -118,15 +119,6 @@ def last_complete_checkpoint(
     """The checkpoint-N directory with the highest N that is complete (see ``checkpoint_incomplete``), or None."""
     found = complete_checkpoints(output_dir, world_size, ranks)
     return found[max(found)] if found else None
-
-
-def _every_rank(obj: Any) -> list[Any]:
-    """Collective: every rank's ``obj``, in rank order."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 _ALLOW_CUSTOM = "set acco_allow_custom_optimizer=True and pass it as optimizer_cls_and_kwargs=(cls, kwargs)"
@@ -223,7 +215,7 @@ class ACCOTrainerMixin:
         world, rank = self.args.world_size, self.args.process_index
         if resume_from_checkpoint is True:
             mine = complete_checkpoints(self.args.output_dir, world, [rank])
-            everywhere = set.intersection(*(set(steps) for steps in _every_rank(sorted(mine))))
+            everywhere = set.intersection(*(set(steps) for steps in every_rank(sorted(mine))))
             for step in sorted(set(mine) - everywhere):
                 logger.warning(
                     "Skipping %s (on rank %d, %s): incomplete on another rank (its shard or its node's files).",
@@ -242,7 +234,7 @@ class ACCOTrainerMixin:
         elif isinstance(resume_from_checkpoint, str):
             if not os.path.isdir(resume_from_checkpoint):
                 raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: not a directory.")
-            reasons = _every_rank(checkpoint_incomplete(resume_from_checkpoint, world, [rank]))
+            reasons = every_rank(checkpoint_incomplete(resume_from_checkpoint, world, [rank]))
             reason = next((f"{r} (on rank {i})" for i, r in enumerate(reasons) if r is not None), None)
             if reason is not None:
                 latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
@@ -316,7 +308,7 @@ class ACCOTrainerMixin:
             ]  # fmt: skip
         args = self.args
         check_elementwise(optimizer_cls, _setting(args, "acco_allow_custom_optimizer", False), _ALLOW_CUSTOM)
-        _ensure_process_group(self.accelerator.device)
+        ensure_process_group(self.accelerator.device)
         self._logged_totals = {}  # a new engine's figures start from zero
         self.acco = ACCOOptimizer(
             [g for g in groups if g["params"]],
@@ -436,7 +428,7 @@ class ACCOTrainerMixin:
             return epochs_trained, steps_trained
         # the claim counters' name: rank 0's on every rank, agreed here, inside train() where every rank is (a
         # dataloader built by one rank alone, say by a callback, must not shift the names the ranks count on)
-        self._pacer.sampler.key = _agreed_key("claims")
+        self._pacer.sampler.key = agreed_key("claims")
         # Dynamic mode: the epoch and the position in it come from the checkpoint's data state (Trainer would
         # derive them from global_step and skip batches by fetching them, which here would claim them).
         checkpoint = (
@@ -807,14 +799,6 @@ def _model_files_on_this_node(trainer: Trainer) -> Any:
             del model.should_save_on_this_rank
 
 
-def _agreed_key(kind: str) -> str:
-    """A name for this run's claim counters, rank 0's on every rank (collective)."""
-    key = [f"hf_acco/{kind}/{uuid.uuid4().hex}"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(key, src=0)
-    return key[0]
-
-
 def _atomic_write_json(obj: Any, path: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -836,26 +820,3 @@ def _split_rows(inputs: dict[str, Any]) -> list[tuple[dict[str, Any], float]]:
         }
 
     return [(part(0, cut), cut / rows), (part(cut, rows), (rows - cut) / rows)]
-
-
-def _ensure_process_group(device: torch.device) -> None:
-    """A one-process run still needs a process group for the engine: make a single-rank one."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def check_ddp_wrapped(trainer: Trainer) -> None:
-    """After ``train()`` of a plain Trainer baseline on several processes: it did train under DDP.
-
-    A DDP baseline whose ranks never averaged their gradients is no baseline, and nothing else says so. It happens
-    when ``trainer.evaluate()`` runs before ``trainer.train()`` (transformers 5.24 with accelerate 1.15):
-    evaluate() marks the bare model as prepared, and train() then does not wrap it.
-    """
-    if not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel):
-        raise RuntimeError(
-            f"The ddp baseline trained without DistributedDataParallel ({type(trainer.model_wrapped).__name__}): "
-            "its ranks never averaged their gradients. Do not call trainer.evaluate() before trainer.train() "
-            "(use eval_on_start), and launch with `accelerate launch` on more than one process."
-        )

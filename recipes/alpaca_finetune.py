@@ -53,7 +53,7 @@ from hf_acco.alpaca import (
     normalise,
     tokenize_example,
 )
-from hf_acco.trainer import check_ddp_wrapped
+from hf_acco.baselines import check_ddp_wrapped
 
 # Defaults for the offline main job; anything given on the command line comes after them and wins.
 DEFAULT_TRAINING_ARGS = [

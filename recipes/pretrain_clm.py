@@ -39,9 +39,8 @@ from transformers import (
 )
 
 from hf_acco import ACCOConfig, ACCOTrainer
-from hf_acco.bench.worker import bf16_wire_hook
+from hf_acco.baselines import bf16_wire_hook, check_ddp_wrapped
 from hf_acco.lambada import encode_pair, load_jsonl_texts, score, split_context_target
-from hf_acco.trainer import check_ddp_wrapped
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_TRAINING_ARGS = [

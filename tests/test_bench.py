@@ -244,7 +244,7 @@ print(10 * 8 * (1 << 20) / (time.perf_counter() - t0) / 1e6)
 
 
 def _ddp_with_the_bf16_wire_hook(rank: int, world_size: int) -> torch.Tensor:
-    from hf_acco.bench.worker import bf16_wire_hook
+    from hf_acco.baselines import bf16_wire_hook
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

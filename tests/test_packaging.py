@@ -44,6 +44,8 @@ def test_the_engine_imports_without_the_hugging_face_stack() -> None:
     code = (
         "import sys, hf_acco, hf_acco.core, hf_acco.checkpoint, hf_acco.multiprocess\n"
         "assert not {'transformers', 'accelerate', 'datasets', 'peft'} & set(sys.modules), sorted(sys.modules)\n"
+        "import hf_acco.accelerate_hook, hf_acco.baselines\n"
+        "assert 'transformers' not in sys.modules, 'a hand-written Accelerate loop loads no transformers'\n"
         "from hf_acco import ACCOConfig, ACCOTrainer\n"
         "assert 'transformers' in sys.modules"
     )

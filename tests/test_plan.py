@@ -158,6 +158,11 @@ def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tm
                 "acco_comm_dtype=", "acco_bucket_numel=", "ring(B, p, bw) =", "alpha 20 / 20 us"):  # fmt: skip
         assert row in done.stdout
     out = plan.main([*argv, "--json"])
+    # the flags every CLI of the project shares, and the planner's own spellings of them
+    spelled = ["--world_size" if a == "--gpus" else a for a in argv]
+    assert plan.main([*spelled, "--param_dtype", "bf16", "--quiet"]) == plan.main(
+        [*argv, "--model_dtype", "bf16", "--quiet"]
+    )
     assert set(out["predictions"]) == {"ddp:fixed", "sync:fixed", "acco:fixed", "acco:dynamic"}
     constants = tmp_path / "constants.json"
     constants.write_text(json.dumps({"alpha_s": 1e-3, "efficiency": {"round": 0.5, "all_reduce": 0.5}}))

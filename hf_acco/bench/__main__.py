@@ -53,7 +53,7 @@ METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "f
 BF16_METHODS = [("acco-bf16", "fixed"), ("acco-bf16", "dynamic"), ("sync-bf16", "fixed"), ("ddp-bf16", "fixed")]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_acco.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", default="outputs/benchmark", help="folder for benchmark.json, table.md, plots")
@@ -63,7 +63,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slow_ratio", type=float, default=1.0, help="communication/compute ratio of the slow setting")
     p.add_argument("--methods", nargs="+", default=[f"{m}:{a}" for m, a in METHODS],
                    choices=[f"{m}:{a}" for m, a in METHODS + BF16_METHODS])  # fmt: skip
-    p.add_argument("--model_dtype", choices=["fp32", "bf16"], default="fp32", help="the model's weights")
+    p.add_argument(
+        "--param_dtype",
+        "--model_dtype",
+        dest="model_dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="the model's weights",
+    )
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=2, help="runs of each method per setting, interleaved")
     p.add_argument("--micro_batches", type=int, default=4, help="per rank per optimizer step (fixed mode)")
@@ -92,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --emulate_micro_batch_s: extra trainable elements the methods communicate",
     )
     p.add_argument("--timeout_s", type=int, default=1800, help="per setting")
-    return p.parse_args(argv)
+    return p
 
 
 def _free_port() -> int:
@@ -215,11 +222,12 @@ def plot(runs: list[dict], path_loss: Path, path_steps: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     try:
         import matplotlib  # noqa: F401  (the plots; checked first, not after minutes of measuring)
     except ImportError:
-        sys.exit("the benchmark plots with matplotlib: pip install 'hf_acco[bench]' (or matplotlib)")
+        parser.error("the benchmark plots with matplotlib: pip install 'hf_acco[bench]' (or matplotlib)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     why_not = "--no_netns given" if args.no_netns else unavailable()

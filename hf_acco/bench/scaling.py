@@ -52,7 +52,7 @@ from .link import Link, unavailable
 METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("sync", "fixed"), ("ddp", "fixed")]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_acco.bench.scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", default="outputs/scaling")
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="measure nothing: refit the planner on this benchmark.json's runs and predict them again",
     )
     p.add_argument("--timeout_s", type=int, default=1800, help="per setting")
-    return p.parse_args(argv)
+    return p
 
 
 def base_spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,7 +244,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     started = time.time()
     groups: dict[str, list[dict[str, Any]]] = {"scaling": [], "check": [], "slow": []}  # by the label's first word
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return analyse({k: measured[k] for k in ("command", "settings", "machine")}, groups, out)
     why = unavailable()
     if why:
-        sys.exit(f"the scaling benchmark needs its shaped network: {why}")
+        parser.error(f"the scaling benchmark needs its shaped network: {why}")
     out.mkdir(parents=True, exist_ok=True)
     settings = [(m, a, args.micro_batches) for m, a in METHODS]
     with tempfile.TemporaryDirectory(prefix="hf_acco_scaling_") as tmp:

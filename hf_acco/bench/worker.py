@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from hf_acco.baselines import bf16_wire_hook
 from hf_acco.bench.link import tx_bytes
 from hf_acco.bench.report import method_parts
 from hf_acco.claims import ClaimingBatchSampler, default_store
@@ -208,19 +209,6 @@ class Traffic:
 
     def read(self) -> float | None:
         return None if self.device is None else tx_bytes(self.device) / self.divide
-
-
-def bf16_wire_hook(process_group, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations' objects
-    """torch's ``default_hooks.bf16_compress_hook``, which DDP refuses by name off NCCL: each bucket averaged in
-    bf16 on the wire."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size(group))
-    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(done: torch.futures.Future) -> torch.Tensor:
-        return bucket.buffer().copy_(done.value()[0])
-
-    return future.then(decompress)
 
 
 def compute_alone(model, stream, repeats: int, warmup: int = 2, emu: Any = None) -> list[float]:

@@ -1,0 +1,37 @@
+"""What a fair DDP baseline needs beside ACCO (the recipes' ``--method ddp`` and the benchmarks): torch's bf16
+compression hook where DDP refuses it, and a check that the baseline did train under DDP (torch only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def bf16_wire_hook(process_group, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations' objects
+    """torch's ``default_hooks.bf16_compress_hook``, which DDP refuses by name off NCCL: each bucket averaged in
+    bf16 on the wire."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(done: torch.futures.Future) -> torch.Tensor:
+        return bucket.buffer().copy_(done.value()[0])
+
+    return future.then(decompress)
+
+
+def check_ddp_wrapped(trainer: Any) -> None:
+    """After ``train()`` of a plain Trainer baseline on several processes: it did train under DDP.
+
+    A DDP baseline whose ranks never averaged their gradients is no baseline, and nothing else says so. It happens
+    when ``trainer.evaluate()`` runs before ``trainer.train()`` (transformers 5.24 with accelerate 1.15):
+    evaluate() marks the bare model as prepared, and train() then does not wrap it.
+    """
+    if not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel):
+        raise RuntimeError(
+            f"The ddp baseline trained without DistributedDataParallel ({type(trainer.model_wrapped).__name__}): "
+            "its ranks never averaged their gradients. Do not call trainer.evaluate() before trainer.train() "
+            "(use eval_on_start), and launch with `accelerate launch` on more than one process."
+        )
