@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
+from typing import Any
 
 from accelerate import PartialState
 from accelerate.utils import str_to_bool
@@ -21,12 +22,16 @@ warn_if_untested("transformers")
 warn_if_untested("accelerate")
 
 
+def acco_setting(args: TrainingArguments, name: str) -> Any:
+    """An ``acco_*`` setting of ``args``, or its default (declared once, on ``ACCOConfigMixin``'s field) for a plain
+    TrainingArguments."""
+    return getattr(args, name, ACCOConfigMixin.__dataclass_fields__[name].default)
+
+
 def splits_batches(args: TrainingArguments) -> bool:
     """Whether each micro-batch is split in two along the batch dimension to make an acco step's two halves (fixed
     accumulation with one micro-batch per step)."""
-    fixed_acco = (
-        getattr(args, "acco_schedule", "acco") == "acco" and getattr(args, "acco_accumulation", "fixed") == "fixed"
-    )
+    fixed_acco = acco_setting(args, "acco_schedule") == "acco" and acco_setting(args, "acco_accumulation") == "fixed"
     return fixed_acco and args.gradient_accumulation_steps == 1
 
 
@@ -34,7 +39,7 @@ def engine_accumulation(args: TrainingArguments) -> str:
     """The engine's accumulation mode: ``acco_accumulation="dynamic"`` under Trainer is paced (pacing.py): each
     step is one global batch of ``world_size x gradient_accumulation_steps`` micro-batches claimed by the ranks at
     their own pace."""
-    return "paced" if getattr(args, "acco_accumulation", "fixed") == "dynamic" else "fixed"
+    return "paced" if acco_setting(args, "acco_accumulation") in ("paced", "dynamic") else "fixed"
 
 
 def engine_micro_batches(args: TrainingArguments) -> int:
@@ -82,12 +87,12 @@ class ACCOConfigMixin:
         default="fixed",
         metadata={
             "help": (
-                "fixed: gradient_accumulation_steps micro-batches per step on every rank (reproducible). dynamic: "
-                "for GPUs of unequal speed: a global batch of world_size x gradient_accumulation_steps "
-                "micro-batches per step, each rank computing as many of them as its speed allows (every sample "
-                "once per epoch)."
+                "fixed: gradient_accumulation_steps micro-batches per step on every rank (reproducible). paced "
+                "(alias: dynamic): for GPUs of unequal speed: a global batch of world_size x "
+                "gradient_accumulation_steps micro-batches per step, each rank computing as many of them as its "
+                "speed allows (every sample once per epoch)."
             ),
-            "choices": ["fixed", "dynamic"],
+            "choices": ["fixed", "paced", "dynamic"],
         },
     )
     acco_min_micro_batches: int | None = field(
@@ -179,13 +184,15 @@ class ACCOConfigMixin:
         check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
         super().__post_init__()
         check_halves(self)
-        if self.acco_accumulation not in ("fixed", "dynamic"):
-            raise ValueError(f"acco_accumulation must be 'fixed' or 'dynamic', got {self.acco_accumulation!r}")
+        if self.acco_accumulation not in ("fixed", "paced", "dynamic"):
+            raise ValueError(
+                f"acco_accumulation must be 'fixed' or 'paced' ('dynamic'), got {self.acco_accumulation!r}"
+            )
         validate_settings(self.acco_schedule, engine_accumulation(self), engine_micro_batches(self))
         for name in REMOVED_SETTINGS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: {self.__dataclass_fields__[name].metadata['help']}")
-        if self.acco_accumulation == "dynamic" and self.average_tokens_across_devices:
+        if engine_accumulation(self) == "paced" and self.average_tokens_across_devices:
             # Trainer would all-gather token counts every step, holding fast ranks back to the slowest; ACCOTrainer
             # undoes the per-rank normalisation exactly instead (see ACCOTrainer._micro_batch_weight).
             self.average_tokens_across_devices = False

@@ -20,7 +20,7 @@ from typing import Any
 
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-from .config import ACCOConfigMixin
+from .config import ACCOConfigMixin, engine_accumulation
 from .trainer import ACCOTrainerMixin
 
 
@@ -29,7 +29,7 @@ class _GathersPerMicroBatch(ACCOTrainerMixin):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if getattr(self.args, "acco_accumulation", "fixed") == "dynamic":
+        if engine_accumulation(self.args) == "paced":
             raise ValueError(
                 f"{type(self).__name__} cannot use acco_accumulation='dynamic': TRL's compute_loss gathers metrics "
                 "across ranks on every micro-batch, and with dynamic accumulation ranks compute different numbers "

@@ -1,4 +1,4 @@
-"""The planner's cost model (hf_acco/plan.py) on numbers worked out by hand, its fit, its recommendation and its
+"""The planner's cost model (hf_acco/plan/) on numbers worked out by hand, its fit, its recommendation and its
 command; the scaling benchmark's bookkeeping on synthetic runs (the runs themselves: the slow tier)."""
 
 import json

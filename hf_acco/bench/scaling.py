@@ -18,7 +18,7 @@ fixed, acco dynamic, sync (ZeRO-1) and DDP as Trainer runs it, interleaved, ``--
 The slow setting (``--slow WORLD_SIZE:FACTOR``): rank 1's micro-batch ``FACTOR`` x the others' (the same
 methods; the planner predicts it from the fit, it is not fitted on).
 
-Then the planner (``hf_acco/plan.py``): its constants are fitted from the scaling runs (the collectives measured alone
+Then the planner (``hf_acco/plan/``): its constants are fitted from the scaling runs (the collectives measured alone
 at every world size; the half overhead from the 2-rank ACCO fixed runs only), and every run gets the planner's
 prediction beside its measured median step time. The check (``--check WORLD_SIZE:RATIO``, a setting the fit
 did not see): the planner recommends a method, accumulation and micro-batches per step (1 to
