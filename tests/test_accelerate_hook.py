@@ -11,6 +11,7 @@ from accelerate.utils import set_seed
 from hf_acco.accelerate_hook import prepare_acco
 from hf_acco.multiprocess import run_ranks
 
+from .helpers import rel
 from .models import batch, tiny_llama
 
 ACCUM, STEPS = 4, 6
@@ -48,17 +49,12 @@ def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: 
     return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
 
 
-def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    fa, fb = torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b])
-    return float((fa - fb).norm() / fb.norm())
-
-
 def test_sync_schedule_in_an_accelerate_loop_matches_ddp() -> None:
     ddp = run_ranks(loop, backend=None, acco=False, weight_decay=0.0)
     ours = run_ranks(loop, backend=None, acco=True, schedule="sync", weight_decay=0.0)
-    assert _rel(ours[0], ddp[0]) < 1e-6
+    assert rel(ours[0], ddp[0]) < 1e-6
     assert all(torch.equal(a, b) for a, b in zip(ours[0], ours[1]))
-    assert _rel(ours[0], [p.detach() for p in tiny_llama().parameters()]) > 1e-2
+    assert rel(ours[0], [p.detach() for p in tiny_llama().parameters()]) > 1e-2
 
 
 def test_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ import torch
 from hf_acco.checkpoint import main as checkpoint_cli
 from hf_acco.checkpoint import shard_filename
 
-from .test_trainer import flat, rel, train
+from .helpers import rel
+from .test_trainer import flat, train
 
 PER_NODE = {"save_steps": 4, "machine_per_rank": True, "extra": {"save_on_each_node": True}}
 

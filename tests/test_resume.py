@@ -12,6 +12,7 @@ from hf_acco import ACCOOptimizer
 from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
 from hf_acco.multiprocess import run_ranks
 
+from .helpers import rel
 from .models import batch, decay_groups, mean_loss, tiny_llama
 
 HP = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.0}
@@ -112,7 +113,7 @@ def test_fused_adamw_resume_is_bit_identical(tmp_path: Path, into_step: int) -> 
         assert _equal(resumed[r]["committed"], straight[r]["committed"])
         assert _equal(resumed[r]["held"], straight[r]["held"])
     unfused = run_ranks(train, start=0, stop=6, load=None, save=None, schedule="acco")
-    assert _rel(unfused[0]["committed"], straight[0]["committed"]) < 1e-5  # the same algorithm, another kernel
+    assert rel(unfused[0]["committed"], straight[0]["committed"]) < 1e-5  # the same algorithm, another kernel
 
 
 @pytest.mark.parametrize("schedule", ["acco", "dpu"])
@@ -128,19 +129,14 @@ def test_checkpoint_from_the_middle_of_a_step_resumes_exactly(tmp_path: Path, sc
         assert _equal(resumed[r]["held"], straight[r]["held"])
 
 
-def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    fa, fb = torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b])
-    return float((fa - fb).norm() / fb.norm())
-
-
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_reshard_continues_the_trajectory(tmp_path: Path, before: int, after: int) -> None:
     straight = run_ranks(train, world_size=before, schedule="acco", start=0, stop=6, load=None, save=None)
     run_ranks(train, world_size=before, schedule="acco", start=0, stop=3, load=None, save=str(tmp_path))
     resumed = run_ranks(train, world_size=after, schedule="acco", start=3, stop=6, load=str(tmp_path), save=None)
-    assert _rel(resumed[0]["committed"], straight[0]["committed"]) < 1e-5
-    assert _rel(resumed[0]["held"], straight[0]["held"]) < 1e-5
-    moved = _rel(straight[0]["committed"], [p.detach() for p in tiny_llama().parameters()])
+    assert rel(resumed[0]["committed"], straight[0]["committed"]) < 1e-5
+    assert rel(resumed[0]["held"], straight[0]["held"]) < 1e-5
+    moved = rel(straight[0]["committed"], [p.detach() for p in tiny_llama().parameters()])
     assert moved > 1e-2
 
 
@@ -153,7 +149,7 @@ def test_reshard_4_then_2_then_3_ranks_continues_the_trajectory(tmp_path: Path) 
     run_ranks(train, world_size=2, start=2, stop=4, **{**kw, "load": str(tmp_path / "a"), "save": str(tmp_path / "b")})
     resumed = run_ranks(train, world_size=3, start=4, stop=6, **{**kw, "load": str(tmp_path / "b")})
     for r in resumed:
-        assert _rel(r["committed"], straight[0]["committed"]) < 1e-5
+        assert rel(r["committed"], straight[0]["committed"]) < 1e-5
         assert _equal(r["committed"], resumed[0]["committed"])
 
 

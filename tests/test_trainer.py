@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from hf_acco import ACCOConfig, consolidate_state_dicts
 from hf_acco.multiprocess import run_ranks
 
+from .helpers import rel
 from .scripts import trainer_script
 
 
@@ -34,10 +35,6 @@ def losses(result: dict) -> list[float]:
 
 def flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.flatten() for p in params.values()])
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from .helpers import rel
 from .scripts import trainer_script
-from .test_trainer import flat, losses, rel, train
+from .test_trainer import flat, losses, train
 
 # Sequential order, 2 ranks x 2 rows per micro-batch: micro-batch k of rank r holds examples 4k + 2r and 4k + 2r + 1.
 SEQUENTIAL = {"train_sampling_strategy": "sequential", "gradient_accumulation_steps": 2}

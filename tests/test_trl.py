@@ -15,6 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 
 from hf_acco.multiprocess import run_ranks  # noqa: E402
 
+from .helpers import rel  # noqa: E402
+
 WORDS = [f"w{i}" for i in range(40)]
 
 
@@ -89,10 +91,6 @@ def _train(rank: int, world_size: int, kind: str, acco: str | None, out: str, **
 def run(tmp_path: Path, kind: str, acco: str | None, **options) -> list[dict]:
     out = str(tmp_path / f"{kind}-{acco}-{len(options)}")
     return run_ranks(_train, world_size=2, backend=None, kind=kind, acco=acco, out=out, timeout=240, **options)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("options", [{}, {"packing": True}], ids=["completion_only", "packing"])
