@@ -2,7 +2,7 @@
 
 Main-thread side of a round. Invariants: at most one round is in flight; from ``launch`` until its output has been
 loaded, the round owns ``buffers.comm`` (the main thread only accumulates into ``buffers.accum``); on CUDA the
-runner orders the round's stream after the launch and the main stream after ``wait`` (see ``comm.RoundRunner``).
+runner orders the round's stream after the launch and the main stream after ``wait`` (see ``runner.RoundRunner``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from .buffers import BufferPair
-from .comm import CompletedRound, RoundRunner
 from .halves import FixedHalves, InFlight
 from .rounds import Round, RoundResult
+from .runner import CompletedRound, RoundRunner
 from .schedule import RoundKind
 from .stats import EngineStats
 
