@@ -268,7 +268,7 @@ def test_dynamic_accumulation_resumes_mid_epoch_on_the_same_or_another_number_of
         ({"fsdp": "full_shard"}, "cannot run under FSDP"),
         ({"gradient_accumulation_steps": 1, "per_device_train_batch_size": 1}, "one sample .* cannot be split"),
         ({"acco_schedule": "zero"}, "schedule must be one of"),
-        ({"acco_accumulation": "paced"}, "acco_accumulation must be 'fixed' or 'dynamic'"),
+        ({"acco_accumulation": "elastic"}, "acco_accumulation must be 'fixed' or 'paced'"),
         ({"acco_reduce_scatter": "ring"}, "acco_reduce_scatter must be"),
         ({"acco_nonfinite": "ignore"}, "acco_nonfinite must be"),
         ({"acco_comm_dtype": "fp8"}, "acco_comm_dtype must be"),
