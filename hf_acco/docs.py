@@ -247,6 +247,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),
+    "heterogeneous-trainer": lambda: (RESULTS / "heterogeneous_trainer" / "table.md").read_text(),
     "bf16-wire-convergence": lambda: bf16_wire_table(),
 }
 
