@@ -64,6 +64,12 @@ def _to_target(run: dict | None, ddp: dict) -> str:
     return f"{run['time_to_target_s'] / ddp['time_to_target_s']:.2f}"
 
 
+def _by_setting(runs: list[dict]):
+    """Each setting of a benchmark's runs, in order, with its runs by (method, accumulation)."""
+    for setting in dict.fromkeys(r["setting"] for r in runs):
+        yield setting, {(r["method"], r["accumulation"]): r for r in runs if r["setting"] == setting}
+
+
 def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
     """The headline benchmark's ratios per setting (``python -m hf_acco.bench``; definitions: bench/report.py)."""
     runs = _load(path)["runs"]
@@ -72,8 +78,7 @@ def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
         "time to target / DDP: acco fixed, acco dynamic |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
-    for setting in dict.fromkeys(r["setting"] for r in runs):
-        by = {(r["method"], r["accumulation"]): r for r in runs if r["setting"] == setting}
+    for setting, by in _by_setting(runs):
         acco, sync, ddp = by[("acco", "fixed")], by[("sync", "fixed")], by[("ddp", "fixed")]
         link = "unshaped loopback" if acco["link_mbit"] is None else f"{acco['link_mbit']:.0f} Mbit/s"
         if acco["slow_factor"] != 1:
@@ -120,8 +125,7 @@ def scaling_table() -> str:
         "| acco fixed / sync |",
         "|---|---:|---|---|---|---|---:|",
     ]
-    for setting in dict.fromkeys(r["setting"] for r in runs):
-        by = {(r["method"], r["accumulation"]): r for r in runs if r["setting"] == setting}
+    for _, by in _by_setting(runs):
         first = by[("acco", "fixed")]
         label = f"{first['world_size']}" + (
             f", rank 1 {first['slow_factor']:g}x slower" if first["slow_factor"] != 1 else ""

@@ -56,14 +56,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="node counts, one setting each")
     p.add_argument("--ranks_per_node", type=int, default=2)
     p.add_argument("--uplink_mbit", type=float, default=200.0, help="every node's uplink, each way (Mbit/s)")
-    p.add_argument("--params", type=float, default=4e6, help="trainable elements communicated (fp32 gradients)")
-    p.add_argument("--ratio", type=float, default=0.5, help="one round alone over one step's compute")
-    p.add_argument("--micro_batches", type=int, default=4, help="per rank per step")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    scaling.add_run_args(p)
     p.add_argument("--from_json", default=None, help="measure nothing: predict this benchmark.json's runs again")
-    p.add_argument("--timeout_s", type=int, default=1800, help="per setting")
     return p
 
 

@@ -52,17 +52,24 @@ from .link import Link, unavailable
 METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("sync", "fixed"), ("ddp", "fixed")]
 
 
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """What ``measure`` and ``base_spec`` read: the emulated model, the ratio, the steps (scaling and multinode)."""
+    p.add_argument("--params", type=float, default=4e6, help="trainable elements communicated (fp32 gradients)")
+    p.add_argument("--ratio", type=float, default=0.5, help="one round alone over one step's compute")
+    p.add_argument("--micro_batches", type=int, default=4, help="per rank per step")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout_s", type=int, default=1800, help="per setting")
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_acco.bench.scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", default="outputs/scaling")
     p.add_argument("--world_sizes", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--link_mbit", type=float, default=200.0, help="every rank's link, each way")
-    p.add_argument("--params", type=float, default=4e6, help="trainable elements communicated (fp32 gradients)")
-    p.add_argument("--ratio", type=float, default=0.5, help="one round alone over one step's compute")
-    p.add_argument("--micro_batches", type=int, default=4, help="per rank per step")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--repeats", type=int, default=2)
+    add_run_args(p)
     p.add_argument("--check", default="4:1.0", help="WORLD_SIZE:RATIO for the recommendation check, or none")
     p.add_argument(
         "--check_micro_batches",
@@ -77,13 +84,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="WORLD_SIZE:FACTOR: a setting with rank 1 FACTOR x slower (at --ratio for the others), "
         "predicted, not fitted; or none",
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--from_json",
         default=None,
         help="measure nothing: refit the planner on this benchmark.json's runs and predict them again",
     )
-    p.add_argument("--timeout_s", type=int, default=1800, help="per setting")
     return p
 
 
