@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence[torch.Tensor]) -> float:
@@ -12,3 +22,58 @@ def rel(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence[tor
     flat = lambda x: x.flatten().double() if torch.is_tensor(x) else torch.cat([t.flatten().double() for t in x])  # noqa: E731
     fa, fb = flat(a), flat(b)
     return float((fa - fb).norm() / fb.norm())
+
+
+def accelerate_launch(
+    script: Path | str,
+    *args: str,
+    config: str = "accelerate_configs/cpu_2proc.yaml",
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file CONFIG SCRIPT ARGS`` from the project root, on a port of its own, asserted
+    to exit 0. A run still going after ``timeout`` seconds is a hang: every process of the launch (the launcher
+    and its ranks) gets SIGABRT, which makes faulthandler print each thread's stack, and the assertion shows
+    them. The timeout stays under pytest's own (setup.cfg) so that this report, not pytest's, is the one seen."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config)]
+    cmd = [*launcher, "--main_process_port", str(free_port()), str(script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in a session of its own: signal the launcher's whole tree, ranks first
+        tree = [*descendants(proc.pid), proc.pid]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(10)  # faulthandler writes the stacks; torchrun reports its ranks' ends
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"`{' '.join(cmd)}` still ran after {timeout:.0f} s; its stacks:\n{err[-12000:]}"
+        ) from None
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    assert done.returncode == 0, out[-3000:] + err[-3000:]
+    return done
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (children first, then theirs), read from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found

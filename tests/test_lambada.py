@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import evaluate
@@ -14,6 +12,8 @@ import pytest
 import torch
 
 from hf_acco.lambada import METRIC_PATH, encode_pair, load_jsonl_texts, score, split_context_target
+
+from .helpers import ROOT, accelerate_launch
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CHARS = "abcd "
@@ -171,14 +171,7 @@ def _single_process(model_dir: Path, texts: list[str], adapter: Path | None = No
 
 
 def _launch(args: list[str], out: Path) -> dict:
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(root / "accelerate_configs/cpu_2proc.yaml"), str(root / "recipes/lambada_eval.py"),
-           "--output_dir", str(out), "--batch_size", "7", *args]  # fmt: skip
-    done = subprocess.run(
-        cmd, cwd=root, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    accelerate_launch(ROOT / "recipes/lambada_eval.py", "--output_dir", str(out), "--batch_size", "7", *args)
     return json.loads((out / "metrics.json").read_text())
 
 
