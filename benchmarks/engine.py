@@ -222,7 +222,7 @@ def memory_rank(rank: int, world_size: int, schedule: str, hidden: int, layers: 
             opt.after_backward()
         opt.step()
     opt.synchronize()
-    engine = opt.buffers.accum.nbytes + (opt.buffers.comm.nbytes if opt.buffers.separate else 0)
+    engine = opt.buffers.accum.nbytes + (opt.buffers.wire.nbytes if opt.buffers.separate else 0)
     flat_state, _ = opt.shard.state_tensors()
     engine += opt.shard.master.nbytes + opt.shard.grad.nbytes + sum(v.nbytes for v in flat_state.values())
     opt.close()

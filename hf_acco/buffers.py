@@ -2,10 +2,10 @@
 
 ``accum``: the main thread's gradient sums (fp32; bf16 by choice for the largest bf16 models), filled by a
 post-accumulate-grad hook on every trainable parameter (bf16 gradients accumulate in fp32, mixed dtypes work,
-``p.grad`` stays ``None``). ``comm``: owned by the round
+``p.grad`` stays ``None``). ``wire``: owned by the round
 in flight (gradients in, parameters out); the main thread touches it only between the round's ``wait()`` and the
 next launch. Handing a half's gradients to a round either swaps the two (the step's sums go; accumulation restarts
-from zero) or copies ``accum`` into ``comm`` (half B keeps accumulating on top of half A's sums). The synchronous
+from zero) or copies ``accum`` into ``wire`` (half B keeps accumulating on top of half A's sums). The synchronous
 schedule has no overlap: its round works in ``accum`` itself and there is no second buffer.
 
 The round also keeps this rank's fp32 shard of the reduced gradient inside its buffer when there is room
@@ -99,7 +99,7 @@ def shard_grad_room(buffer_dtype: torch.dtype, comm_dtype: torch.dtype, world_si
 
 
 class BufferPair:
-    """``accum`` and ``comm`` over ``params`` in ``layout``.
+    """``accum`` and ``wire`` over ``params`` in ``layout``.
 
     ``accum`` is in ``grad_dtype`` (fp32 by default). ``comm`` carries gradients in ``comm_dtype`` and hands
     parameters back in the model's dtype (``param_dtype``: the parameters' common dtype, fp32 when they differ): one
@@ -127,16 +127,17 @@ class BufferPair:
         self.accum = layout.new_flat(device, dtype=grad_dtype)
         # the two buffers can swap roles when they are alike (the wire in the sums' dtype); else the round gets a copy
         self.swappable = swappable(self.param_dtype, comm_dtype, grad_dtype)
-        comm = comm_allocation(self.param_dtype, comm_dtype, separate, grad_dtype)
-        self.comm = self.accum if comm is None else layout.new_flat(device, dtype=comm)
+        wire = comm_allocation(self.param_dtype, comm_dtype, separate, grad_dtype)
+        self.wire = self.accum if wire is None else layout.new_flat(device, dtype=wire)
         self.rank = rank
-        self.grad_room = shard_grad_room(self.comm.dtype, comm_dtype, layout.world_size, layout.chunk)
+        self.grad_room = shard_grad_room(self.wire.dtype, comm_dtype, layout.world_size, layout.chunk)
         self.grad_scale = 1.0  # multiplies the gradients of the next backward passes as they are accumulated
         self.hook_calls = 0  # gradients accumulated since the counter was last reset
         self.evaluating = False  # the engine is in eval mode: no gradient may come in (``accum`` may hold parameters)
+        self.eval_backup: torch.Tensor | None = None  # in eval mode, what the model held if it was not θ
         # per-parameter views of each buffer, made once: the two buffers swap roles every step
         self._views_of = {
-            id(buf): {id(p): v for p, v in zip(self.params, layout.views(buf))} for buf in (self.accum, self.comm)
+            id(buf): {id(p): v for p, v in zip(self.params, layout.views(buf))} for buf in (self.accum, self.wire)
         }
         self.grad_views = self._views_of[id(self.accum)]
         self._hooks: list = []
@@ -201,7 +202,7 @@ class BufferPair:
 
     @property
     def separate(self) -> bool:
-        return self.comm is not self.accum
+        return self.wire is not self.accum
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         # Runs when autograd has finished p's gradient for this backward: accumulate it in fp32, free it.
@@ -220,17 +221,17 @@ class BufferPair:
         self.hook_calls += 1
 
     def hand_over(self, swap: bool) -> torch.Tensor:
-        """Give ``accum``'s sums to the next round: returns the buffer the round will own (``comm``).
+        """Give ``accum``'s sums to the next round: returns the buffer the round will own (``wire``).
 
         ``swap``: the step's sums go (accumulation restarts from zero); else half B goes on accumulating on top of
         them. Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
         if self.separate:
             if swap and self.swappable:  # the round takes the sums; the main thread restarts from the old buffer
-                self.comm, self.accum = self.accum, self.comm
+                self.wire, self.accum = self.accum, self.wire
                 self.grad_views = self._views_of[id(self.accum)]
             else:  # a copy, cast to the wire's dtype (each rank's fp32 sums rounded once)
-                self.grads_of(self.comm).copy_(self.accum)
-        return self.comm
+                self.grads_of(self.wire).copy_(self.accum)
+        return self.wire
 
     def restart(self, swap: bool) -> None:
         """After a swap, accumulation restarts from zero in the buffer the previous round gave back."""
@@ -248,7 +249,7 @@ class BufferPair:
 
     def load_round_output(self) -> None:
         """Copy the parameters the last round all-gathered into the model."""
-        self.load_into_model(self.params_of(self.comm))
+        self.load_into_model(self.params_of(self.wire))
 
     def initial_shard(self, comm: Any, rank: int) -> torch.Tensor:
         """This rank's fp32 shard of the model's parameters (staged in ``accum``, which is zero again after). With
@@ -260,6 +261,25 @@ class BufferPair:
         shard = self.layout.shard_of(flat, rank).to(torch.float32)
         flat.zero_()
         return shard
+
+    def enter_eval(self, commit_pending: bool, at_boundary: bool) -> None:
+        """Eval mode. With ``commit_pending`` the model gets the commit round's output θ and what it held is kept,
+        exactly: at a step boundary in ``accum`` (zero and unused there, no narrower than the model's dtype), in
+        the middle of a step (``accum`` holds half A's gradients: hand-written loops only, Trainer evaluates and
+        saves at step boundaries) on the host."""
+        if commit_pending:
+            self.eval_backup = self.model_to_accum() if at_boundary else self.model_to_host()
+            self.load_round_output()
+        self.evaluating = True
+
+    def leave_eval(self) -> None:
+        """The model gets back what it held before ``enter_eval``; ``accum`` is zero again if it kept it."""
+        if self.eval_backup is not None:
+            self.load_into_model(self.eval_backup)
+            if self.eval_backup is self.accum:
+                self.release_accum()
+            self.eval_backup = None
+        self.evaluating = False
 
     def model_to_accum(self) -> torch.Tensor:
         """The model's current parameters, kept in ``accum`` (zero and unused at a step boundary: exact, no narrower

@@ -15,7 +15,8 @@ expected to finish within half of this rank's next micro-batch (starting it woul
 
 This module is the facade users call. Each job has a module of its own (``docs/architecture.md``): schedule.py
 (the step machine), halves.py (when a half ends), buffers.py (the buffer pair), rounds.py (a round's body),
-inflight.py (the round in flight), shard_state.py (the shard's state dict), stats.py, comm.py, optim.py.
+inflight.py (the round in flight), lifecycle.py (eval mode, rendezvous, finalize, close: the facade's base),
+shard_state.py (the shard's state dict), stats.py, comm.py, optim.py.
 
 Usage (a hand-written loop; ``loss`` is a mean over the micro-batch, or a sum with ``weight`` = its tokens)::
 
@@ -34,8 +35,7 @@ through post-accumulate-grad hooks, so ``p.grad`` stays ``None`` (clip with ``ma
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -43,10 +43,11 @@ import torch.distributed as dist
 
 from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype
 from .comm import Communicator, warn_if_one_hardware_queue
-from .halves import DynamicHalves, FixedHalves, PacedHalves, round_ends_soon
-from .inflight import RoundsInFlight
+from .halves import halves_for, round_ends_soon
+from .inflight import RoundInFlight
+from .lifecycle import EngineLifecycle
 from .optim import ShardOptimizer, check_elementwise
-from .rounds import Round, RoundResult, check_nonfinite
+from .rounds import RoundBody, RoundResult, check_nonfinite
 from .schedule import (
     STEP_END,
     Accumulation,
@@ -58,7 +59,7 @@ from .schedule import (
     schedule_at,
     validate_settings,
 )
-from .shard_state import STATE_FORMAT, ShardCheckpoint, consolidate_state_dicts
+from .shard_state import STATE_FORMAT, BoundaryState, consolidate_state_dicts, torch_keys
 from .sharding import FlatLayout, trainable_parameters
 from .stats import EngineStats
 
@@ -76,7 +77,7 @@ def _forwarded(part: str, name: str, doc: str | None = None) -> property:
     )
 
 
-class ACCOOptimizer(torch.optim.Optimizer):
+class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
     """ZeRO-1 sharded optimizer whose communication runs in the background (ACCO, DPU or synchronous).
 
     Building it is collective: every rank of ``group`` must build it at the same point.
@@ -159,38 +160,36 @@ class ACCOOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         self.device = self._params[0].device
         warn_if_one_hardware_queue(self.device)
-        separate = self.schedule is not Schedule.SYNC
-        self.buffers = BufferPair(
-            self._params, self.layout, self.device, separate, comm_dtype=wire, grad_dtype=sums, rank=self.comm.rank
-        )
-        self.buffers.check_devices()
-        self.comm.check_same_everywhere(
-            [self.layout.numel, len(self._params)], self.device, "Ranks disagree on the trainable parameters (count "
-            "or size differ). Build the same model with the same frozen/LoRA setup on every rank."
-        )  # fmt: skip
+        self.buffers = self._build_buffers(wire, sums)
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
-        policy = {
-            Accumulation.FIXED: FixedHalves,
-            Accumulation.DYNAMIC: DynamicHalves,
-            Accumulation.PACED: PacedHalves,
-        }
-        self.halves = policy[self.accumulation](*counts)
+        self.halves = halves_for(self.accumulation, *counts)
         self.stats = EngineStats()
-        self._round = Round(
+        self._round = RoundBody(
             self.layout, self.comm, self.shard, max_grad_norm, nonfinite, shard_grad_of=self.buffers.shard_grad_of
         )
-        self.rounds = RoundsInFlight(self._round, self.buffers, self.stats, self.halves)
-        self._boundary = ShardCheckpoint(  # the last step boundary, for state_dict
+        self.rounds = RoundInFlight(self._round, self.buffers, self.stats, self.halves)
+        self._boundary = BoundaryState(  # the last step boundary, for state_dict
             self.layout, self.comm, self.shard, self._params, keep_copy=self.schedule is Schedule.ACCO
         )
         self._model_moved = False  # the model no longer holds the last boundary's parameters (acco, after A→B)
         self.step_count = 0  # committed optimizer steps launched
-        self._in_eval, self._eval_backup = False, None  # committed θ loaded for evaluation; what it replaced
-        self._backup_in_accum = False  # the replaced parameters wait in the accumulation buffer (at a step boundary)
         self._closed = False
         self._joined = False  # in a rendezvous: this rank computes nothing until every rank has joined
         self._restart_step()
         self.buffers.attach()  # last: if anything above raised, the model's gradients are as they were
+
+    def _build_buffers(self, wire: torch.dtype, sums: torch.dtype) -> BufferPair:
+        """The gradient buffer pair, on the parameters' device, checked alike on every rank (collective)."""
+        separate = self.schedule is not Schedule.SYNC
+        buffers = BufferPair(
+            self._params, self.layout, self.device, separate, comm_dtype=wire, grad_dtype=sums, rank=self.comm.rank
+        )
+        buffers.check_devices()
+        self.comm.check_same_everywhere(
+            [self.layout.numel, len(self._params)], self.device, "Ranks disagree on the trainable parameters (count "
+            "or size differ). Build the same model with the same frozen/LoRA setup on every rank."
+        )  # fmt: skip
+        return buffers
 
     def _build_shard(self, optimizer_cls: type, defaults: dict[str, Any], broadcast: bool) -> ShardOptimizer:
         """This rank's master shard of the model's parameters (rank 0's on every rank with ``broadcast``)."""
@@ -228,7 +227,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         ``weight`` is what the gradient is averaged by: 1 when the loss is a mean over the micro-batch
         (average by micro-batch count), or the number of tokens when the loss is their sum (token-weighted).
         """
-        if self._in_eval:
+        if self.buffers.evaluating:
             raise RuntimeError("The ACCO optimizer is in eval mode (committed parameters loaded): call train() first.")
         if self._half_count == 0 and not self._step_counts:  # first micro-batch of a step
             self.buffers.check_devices()
@@ -276,123 +275,6 @@ class ACCOOptimizer(torch.optim.Optimizer):
         for p in self._params:
             p.grad = None
 
-    def synchronize(self) -> None:
-        """Wait for the round in flight (its output stays pending, as it would without the wait)."""
-        self.rounds.wait()
-
-    @contextlib.contextmanager
-    def committed_parameters(self) -> Iterator[None]:
-        """Inside, the model holds the committed parameters θ (not the estimate): evaluate or save there."""
-        if self._in_eval:
-            yield
-            return
-        self.eval()
-        try:
-            yield
-        finally:
-            self.train()
-
-    def eval(self) -> None:
-        """Put the committed parameters θ into the model (Trainer calls this before evaluating)."""
-        if self._in_eval:
-            return
-        self.synchronize()
-        if self.rounds.kind is RoundKind.COMMIT:  # else the model already holds θ
-            # An exact copy of what the model holds, kept while it holds θ: at a step boundary in the accumulation
-            # buffer (free there, and no narrower than the model's dtype); in the middle of a step (half A holds
-            # gradients there: hand-written loops only, Trainer evaluates and saves at step boundaries) on the host
-            at_boundary = not (self._half_count or self._step_counts or self.buffers.hook_calls)
-            self._backup_in_accum = at_boundary
-            self._eval_backup = self.buffers.model_to_accum() if at_boundary else self.buffers.model_to_host()
-            self.buffers.load_round_output()
-        self._in_eval = self.buffers.evaluating = True
-
-    def train(self) -> None:
-        """Give the model back what training computes with (Trainer calls this before every micro-batch)."""
-        if not self._in_eval:
-            return
-        if self._eval_backup is not None:
-            self.buffers.load_into_model(self._eval_backup)
-            if self._backup_in_accum:
-                self.buffers.release_accum()
-            self._eval_backup = None
-        self._in_eval = self.buffers.evaluating = False
-
-    @torch.no_grad()
-    def rendezvous(self) -> None:
-        """Bring every rank to one common optimizer-step boundary. Collective; ranks may arrive at any time.
-
-        In dynamic mode ranks run independently between rounds, so at a given point of the caller's loop they
-        can be a round apart (and, at the end of their data, have different amounts left). This rank ends its
-        current step with what it has, then takes part in rounds with no micro-batch (they average only the
-        others' gradients) until a commit round shows that every rank had joined. Fixed mode keeps ranks in
-        step already: there it only checks that the caller is at a step boundary.
-        """
-        self.train()
-        if self.accumulation is not Accumulation.DYNAMIC:  # fixed and paced keep ranks in step already
-            self._check_step_boundary("rendezvous")
-            return
-        self._joined = True
-        try:
-            while True:
-                if self.phase is Phase.ESTIMATE and self._schedule_now() is Schedule.ACCO:
-                    self._boundary_estimate_to_correction()
-                self._end_step()
-                self.synchronize()
-                if self.last_commit is not None and self.last_commit.joined == self.comm.world_size:
-                    break
-        finally:
-            self._joined = False
-
-    @torch.no_grad()
-    def finalize(self) -> None:
-        """End of training: drain the round in flight and leave the committed parameters in the model.
-
-        A step cut short (training stopped in the middle of one) is dropped, as an optimizer step that never
-        happened. Training may continue afterwards: it restarts from θ as at the start (θ̃ = θ).
-        """
-        self.train()
-        if self.accumulation is Accumulation.DYNAMIC:
-            self.rendezvous()  # ranks may be a round apart: finish together (collective)
-        self.synchronize()
-        if self.rounds.kind is RoundKind.COMMIT:
-            self.buffers.load_round_output()
-        self.rounds.drop()
-        self._model_moved, self._boundary.pending = False, False  # the model holds θ: a boundary, nothing pending
-        self.buffers.accum.zero_()
-        self._restart_step()
-
-    def close(self) -> None:
-        """Drain the round in flight and release the background thread and the gradient hooks (``reopen`` takes
-        them again)."""
-        try:
-            self.synchronize()
-        finally:
-            self.rounds.shutdown()
-            self.buffers.release()
-            self.comm.destroy()  # no process group outlives its engine (NCCL communicators would pile up)
-            self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def pristine(self) -> bool:
-        """Nothing accumulated, launched or stepped since it was built."""
-        counted = self._half_count or self._step_counts or self.buffers.hook_calls
-        return self.step_count == 0 and self.rounds.current is None and not counted
-
-    def reopen(self) -> None:
-        """After ``finalize()`` and ``close()``: train again with the same state (hooks and a thread again)."""
-        if not self._closed:
-            return
-        self.comm.reopen()  # collective: every rank reopens at the same point (Trainer: in train())
-        self.rounds.restart_runner()
-        self._restart_step()
-        self.buffers.attach()
-        self._closed = False
-
     # ---- state --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -402,18 +284,10 @@ class ACCOOptimizer(torch.optim.Optimizer):
         micro-batches of the unfinished step are not in it, and a resumed run computes them again.
         """
         self.synchronize()  # the master shard is final once the commit round in flight has finished
-        moved, held = self._model_moved, self._eval_backup  # in eval, the training parameters wait in ``held``
+        moved, held = self._model_moved, self.buffers.eval_backup  # in eval, the training parameters wait there
         state = self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams(), moved, held)
         state["stats"] = self.stats.state_dict()
-        # torch's keys too, for tools and callbacks that read them (``param_groups``: the hyper-parameters, each
-        # parameter by its index, as torch numbers them). The per-element state is sharded: it is in
-        # ``optim_state``, so ``state`` is empty. A resume reads neither.
-        state["param_groups"], first = [], 0
-        for group in self.param_groups:
-            indices = list(range(first, first + len(group["params"])))
-            state["param_groups"].append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
-            first += len(indices)
-        state["state"] = {}
+        state.update(torch_keys(self.param_groups))
         return state
 
     @torch.no_grad()
@@ -494,7 +368,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         if end.load_first:  # acco: the estimate θ̃_{t+1} (next half A computes there); dpu: θ_t
             self._wait_and_load()
         # acco's next step loads θ_{t+1} at its A→B boundary: the commit round first copies this boundary's model
-        # shard to the host, off the main stream (ShardCheckpoint.capture); dpu and sync never move the model mid-step
+        # shard to the host, off the main stream (BoundaryState.capture); dpu and sync never move the model mid-step
         capture = self._schedule_now() is Schedule.ACCO
         self._launch(RoundKind.COMMIT, weight, micro_batches, swap=True, capture=capture)
         if end.wait_at_once:  # sync: θ_{t+1} at once
@@ -511,7 +385,7 @@ class ACCOOptimizer(torch.optim.Optimizer):
         self._half_count, self._half_weight = 0, 0.0
 
     def _launch(self, kind: RoundKind, weight: float, micro_batches: int, swap: bool, capture: bool = False) -> None:
-        if self._in_eval:
+        if self.buffers.evaluating:
             raise AssertionError("a round launched in eval mode")  # invariant: accum may hold the parameters then
         label = f"{kind.value} round {self.step_count}"
         # hyper-parameters as of launch: schedulers mutate them

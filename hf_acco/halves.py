@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .schedule import RoundKind, Schedule
+from .schedule import Accumulation, RoundKind, Schedule
 
 
 class _Handle(Protocol):
@@ -140,3 +140,9 @@ class DynamicHalves(FixedHalves):
 
     def round_finished(self, seconds: float) -> None:
         self.round_s.append(seconds)
+
+
+def halves_for(accumulation: Accumulation, *counts: int | None) -> FixedHalves:
+    """The policy that ends the halves in this accumulation mode, for its micro-batch counts."""
+    policy = {Accumulation.FIXED: FixedHalves, Accumulation.DYNAMIC: DynamicHalves, Accumulation.PACED: PacedHalves}
+    return policy[accumulation](*counts)

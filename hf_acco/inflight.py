@@ -1,7 +1,7 @@
 """The round in flight: launched one at a time on the background runner, waited for, its output loaded.
 
 Main-thread side of a round. Invariants: at most one round is in flight; from ``launch`` until its output has been
-loaded, the round owns ``buffers.comm`` (the main thread only accumulates into ``buffers.accum``); on CUDA the
+loaded, the round owns ``buffers.wire`` (the main thread only accumulates into ``buffers.accum``); on CUDA the
 runner orders the round's stream after the launch and the main stream after ``wait`` (see ``runner.RoundRunner``).
 """
 
@@ -15,16 +15,16 @@ import torch
 
 from .buffers import BufferPair
 from .halves import FixedHalves, InFlight
-from .rounds import Round, RoundResult
+from .rounds import RoundBody, RoundResult
 from .runner import CompletedRound, RoundRunner
 from .schedule import RoundKind
 from .stats import EngineStats
 
 
-class RoundsInFlight:
+class RoundInFlight:
     """Launch, wait for and load the rounds of one engine (``body`` runs each on the background thread)."""
 
-    def __init__(self, body: Round, buffers: BufferPair, stats: EngineStats, halves: FixedHalves) -> None:
+    def __init__(self, body: RoundBody, buffers: BufferPair, stats: EngineStats, halves: FixedHalves) -> None:
         self.body, self.buffers, self.stats, self.halves = body, buffers, stats, halves
         self.runner = RoundRunner(buffers.device)
         self.current: InFlight | None = None  # launched, output not yet loaded into the model
@@ -45,7 +45,7 @@ class RoundsInFlight:
         before: Callable[[], torch.cuda.Event | None] | None = None,
     ) -> None:
         """Hand ``accum``'s sums to a new round (swapped or copied, see ``BufferPair``) and start it. ``before`` runs
-        first on the round's thread and stream (the boundary's copy of the model, see ``ShardCheckpoint.capture``);
+        first on the round's thread and stream (the boundary's copy of the model, see ``BoundaryState.capture``);
         the round's ``done`` event comes after the work it queued, on whatever stream (the event it returns)."""
         if self.current is not None:
             raise AssertionError("a round is still in flight")  # invariant: one round at a time
@@ -68,7 +68,7 @@ class RoundsInFlight:
         self.buffers.restart(swap)
 
     def completed(self, kind: RoundKind) -> None:
-        """A round whose output is already in ``buffers.comm`` (its parameters' view; after a resume)."""
+        """A round whose output is already in ``buffers.wire`` (its parameters' view; after a resume)."""
         self.current = InFlight(CompletedRound(), kind)
 
     def wait(self) -> None:

@@ -9,7 +9,7 @@ context, NCCL and the allocator's fragmentation take.
 The engine's figures come from the code that allocates its buffers: the flat layout (``FlatLayout``, padding and
 buckets included), the buffer pair's dtypes (``buffers.comm_allocation``; ``"auto"`` on the wire is the model's
 dtype), where a round keeps the shard gradient (``buffers.shard_grad_room``: in its buffer, else a tensor of its own),
-the shard optimizer's master and per-element state, the boundary's model shard (``ShardCheckpoint``).
+the shard optimizer's master and per-element state, the boundary's model shard (``BoundaryState``).
 ``tests/test_memory.py`` checks them against the tensors a built engine really holds.
 
 * Persistent: on the device for the whole run.

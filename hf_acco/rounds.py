@@ -93,7 +93,7 @@ def check_nonfinite(nonfinite: str) -> None:
         raise ValueError(f"nonfinite must be 'skip' or 'error', got {nonfinite!r}")
 
 
-class Round:
+class RoundBody:
     """The body of every round of one engine (its layout, communicator, shard and clipping / non-finite policy).
 
     Args:

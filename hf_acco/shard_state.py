@@ -24,13 +24,13 @@ from .sharding import FlatLayout, unshard
 STATE_FORMAT = 1
 
 
-class ShardCheckpoint:
+class BoundaryState:
     """This rank's state at the last optimizer-step boundary that is not in the master shard, saved and restored.
 
     The boundary's model shard (this rank's pieces of the parameters the model computed with from the boundary:
     acco's estimate, dpu's previous θ, sync's θ) is read from the model itself, which holds it until the model is
     next loaded. Only acco loads the model in the middle of a step (θ_t at the A→B boundary), so only acco keeps a
-    copy: ``capture`` takes it on the commit round's thread at the start of each acco step (see ``RoundsInFlight``),
+    copy: ``capture`` takes it on the commit round's thread at the start of each acco step (see ``RoundInFlight``),
     into host memory in the model's dtype (pinned on a GPU), off the main stream. ``pending``: whether a commit
     round was in flight at the boundary. With them ``state_dict()`` describes that boundary exactly even from the
     middle of a step.
@@ -133,7 +133,7 @@ class ShardCheckpoint:
     def load(self, state_dict: dict[str, Any], shard: Callable, param_groups: list[dict], buffers: BufferPair) -> bool:
         """Restore master, optimizer state, hyper-parameters and the model (collective: all-gathers).
 
-        Returns whether a commit round was pending: then ``buffers.comm`` holds its output, as if just waited for.
+        Returns whether a commit round was pending: then ``buffers.wire`` holds its output, as if just waited for.
         """
         self.shard.master.copy_(shard(state_dict["master"]))
         self.shard.load_state_tensors(
@@ -153,10 +153,22 @@ class ShardCheckpoint:
             self.captured = True
         self.pending = state_dict["pending_commit"]
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
-            output = buffers.params_of(buffers.comm)
+            output = buffers.params_of(buffers.wire)
             put_own_pieces(self.layout, output, self.shard.master, self.comm.rank)
             self.comm.all_gather(self.layout, None, output)
         return self.pending
+
+
+def torch_keys(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """torch's own keys of an optimizer state dict, for tools and callbacks that read them: ``param_groups`` (the
+    hyper-parameters, each parameter by its index, as torch numbers them) and ``state``, empty: the per-element
+    state is sharded, in ``optim_state``. A resume reads neither."""
+    groups, first = [], 0
+    for group in param_groups:
+        indices = list(range(first, first + len(group["params"])))
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
+        first += len(indices)
+    return {"param_groups": groups, "state": {}}
 
 
 def validate_state(state_dict: Any, layout: FlatLayout, schedule: str) -> None:

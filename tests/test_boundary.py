@@ -90,7 +90,7 @@ def eval_at(rank: int, world_size: int, where: str) -> dict:
     padded = opt.layout.padded_numel
     with Sizes() as sizes:
         opt.eval()
-    in_accum = opt._eval_backup is opt.buffers.accum
+    in_accum = opt.buffers.eval_backup is opt.buffers.accum
     full_size_made = [op for op, n in sizes.made if n == padded]
     with pytest.raises(RuntimeError, match="in eval mode"):
         mean_loss(model, batch(rank, 99))[0].backward()  # the buffer holds the parameters: refused

@@ -55,7 +55,7 @@ def _held(
     held = {
         "parameters (the model's)": sum(p.nbytes for p in model.parameters()),
         "gradient accumulation buffer (full)": opt.buffers.accum.nbytes,
-        "round buffer (full)": opt.buffers.comm.nbytes if opt.buffers.separate else 0,
+        "round buffer (full)": opt.buffers.wire.nbytes if opt.buffers.separate else 0,
         "master shard (fp32)": opt.shard.master.nbytes,
         "shard gradient (fp32; 0: in the round's buffer)": getattr(opt.shard.own_grad, "nbytes", 0),
         "optimizer state shard (fp32)": sum(v.nbytes for v in opt.shard.state_tensors()[0].values()),
@@ -66,7 +66,7 @@ def _held(
         held[BOUNDARY], out[BOUNDARY] = opt._boundary.copy.nbytes, report.host[BOUNDARY]
         assert opt._boundary.copy.device.type == "cpu" and opt._boundary.copy.dtype == model_dtype
         # the estimate's temporaries, where the round writes it (rounds.py: its own pieces, or over the gradient)
-        buf, shard = opt.buffers.comm, opt.shard
+        buf, shard = opt.buffers.wire, opt.shard
         shard.use_grad(opt.buffers.shard_grad_of(opt.buffers.grads_of(buf)))
         narrow = buf.dtype != torch.float32 or opt.buffers.grad_room == "own"
         target = (

@@ -13,7 +13,7 @@ import torch
 from hf_acco.buffers import BufferPair
 from hf_acco.halves import DynamicHalves, FixedHalves, InFlight
 from hf_acco.optim import ShardOptimizer
-from hf_acco.rounds import Round, RoundResult
+from hf_acco.rounds import RoundBody, RoundResult
 from hf_acco.schedule import STEP_END, Phase, RoundKind, Schedule, first_phase, parse_settings, schedule_at
 from hf_acco.sharding import FlatLayout
 from hf_acco.stats import EngineStats
@@ -63,7 +63,7 @@ def _setup(max_grad_norm: float | None = 0.5, nonfinite: str = "skip"):
         layout.shard_of(flat, 0), layout.shard_segments(0), hparams, torch.optim.AdamW, {}, piece_numel=layout.chunk
     )
     comm = FakeComm()
-    body = Round(layout, comm, shard, max_grad_norm=max_grad_norm, nonfinite=nonfinite)
+    body = RoundBody(layout, comm, shard, max_grad_norm=max_grad_norm, nonfinite=nonfinite)
     grads = [torch.randn_like(p) * 3 for p in params]
     return params, layout, shard, comm, body, hparams, grads
 
@@ -116,7 +116,7 @@ def test_a_nonfinite_gradient_is_skipped_or_stops_the_round() -> None:
     result, buf = _run(body, layout, RoundKind.COMMIT, grads, hparams=hparams)
     assert result.skipped and torch.equal(shard.master, master)
     assert torch.equal(buf[: master.numel()], master)  # the round hands back the committed parameters
-    strict = Round(layout, comm, shard, nonfinite="error")
+    strict = RoundBody(layout, comm, shard, nonfinite="error")
     with pytest.raises(FloatingPointError, match="not finite"):
         _run(strict, layout, RoundKind.COMMIT, grads, hparams=hparams)
 
@@ -230,7 +230,7 @@ def test_gradients_accumulate_in_fp32_and_the_round_takes_them_by_swap_or_copy()
     assert pair.accum.dtype == torch.float32
     torch.testing.assert_close(pair.grad_views[id(model.bias)], torch.full((2,), 12.0))  # 4 + 2 x 4
     first = pair.accum
-    assert pair.hand_over(swap=False) is not first and torch.equal(pair.comm, first)  # copy: half B goes on
+    assert pair.hand_over(swap=False) is not first and torch.equal(pair.wire, first)  # copy: half B goes on
     sums = pair.accum.clone()
     handed = pair.hand_over(swap=True)
     pair.restart(swap=True)
@@ -302,10 +302,10 @@ def test_the_shard_gradient_beside_a_ranks_own_pieces_never_touches_them(numel: 
     for rank in range(world_size):
         pair = BufferPair(params, layout, torch.device("cpu"), True, comm_dtype=torch.bfloat16, rank=rank)
         if world_size * layout.chunk % 2:
-            assert pair.grad_room is None and pair.shard_grad_of(pair.comm) is None
+            assert pair.grad_room is None and pair.shard_grad_of(pair.wire) is None
             continue
         assert pair.grad_room == "beside"
-        rows, buf = pair.shard_grad_of(pair.comm), pair.comm
+        rows, buf = pair.shard_grad_of(pair.wire), pair.wire
         assert rows.dtype == torch.float32 and rows.shape == (layout.num_buckets, layout.chunk)
         for b in range(layout.num_buckets):
             start = rows[b].data_ptr() - buf.data_ptr()
