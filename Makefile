@@ -9,6 +9,7 @@ style:
 quality:
 	ruff format --check hf_acco tests recipes benchmarks
 	ruff check hf_acco tests recipes benchmarks
+	$(PY) -m mypy hf_acco
 
 test:
 	$(PY) -m pytest -q

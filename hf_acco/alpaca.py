@@ -97,8 +97,12 @@ def _task(rng: random.Random) -> dict:
     if kind == 3:
         a, b = rng.randrange(10), rng.randrange(10)
         return {"instruction": "What is the sum of the two numbers?", "input": f"{a} {b}", "output": str(a + b)}
-    a, b = rng.sample(WORDS, 2)
-    return {"instruction": "Which word comes first in alphabetical order?", "input": f"{a} {b}", "output": min(a, b)}
+    pair = rng.sample(WORDS, 2)
+    return {
+        "instruction": "Which word comes first in alphabetical order?",
+        "input": " ".join(pair),
+        "output": min(pair),
+    }
 
 
 def generated_alpaca(n: int, seed: int = 0) -> list[dict]:

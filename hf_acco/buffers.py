@@ -213,10 +213,11 @@ class BufferPair:
                 "parameters, and the accumulation buffer may hold the training ones): call optimizer.train() (or "
                 "leave committed_parameters()) before training."
             )
+        # (p.grad is set: a post-accumulate-grad hook runs after autograd has written it)
         if self.grad_scale == 1.0:
-            self.grad_views[id(p)].add_(p.grad)
+            self.grad_views[id(p)].add_(p.grad)  # type: ignore[arg-type]
         else:
-            self.grad_views[id(p)].add_(p.grad, alpha=self.grad_scale)
+            self.grad_views[id(p)].add_(p.grad, alpha=self.grad_scale)  # type: ignore[arg-type]
         p.grad = None
         self.hook_calls += 1
 

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accelerate import PartialState
 from accelerate.utils import str_to_bool
@@ -62,8 +62,14 @@ def check_halves(args: TrainingArguments) -> None:
 REMOVED_SETTINGS = ("acco_min_micro_batches",)
 
 
+if TYPE_CHECKING:  # the type checker reads the mixin as the TrainingArguments it is always mixed into
+    _ArgsBase = TrainingArguments
+else:
+    _ArgsBase = object
+
+
 @dataclass
-class ACCOConfigMixin:
+class ACCOConfigMixin(_ArgsBase):
     """Only the ``acco_*`` settings and their checks, for any TrainingArguments subclass:
     ``@dataclass class MyConfig(ACCOConfigMixin, SFTConfig)`` keeps every default of ``SFTConfig``.
 

@@ -195,7 +195,8 @@ def memory_table() -> str:
     from hf_acco.memory import GIB, baselines, engine_memory
 
     models = (("125M", 125e6), ("1.3B", 1.3e9), ("2.7B", 2.7e9), ("7B", 7e9), ("Llama-2-7B (6.74B)", 6.74e9))
-    wires = ({}, {"comm_dtype": torch.float32}, {"comm_dtype": torch.bfloat16, "grad_dtype": torch.bfloat16})
+    # (wire dtype, accumulation dtype): the default (the model's, fp32), fp32 on the wire, bf16 both
+    wires = (("auto", torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16))
     rows = [
         "| model (bf16), 8 ranks | DDP | ZeRO-1 | ZeRO-2 | hf_acco, default (bf16 wire): persistent / peak "
         "| fp32 wire "
@@ -205,7 +206,7 @@ def memory_table() -> str:
     for name, params in models:
         numel = int(params)
         base = baselines(numel, 8, torch.bfloat16)
-        reports = [engine_memory(numel, 8, param_dtype=torch.bfloat16, **w) for w in wires]
+        reports = [engine_memory(numel, 8, param_dtype=torch.bfloat16, comm_dtype=c, grad_dtype=g) for c, g in wires]
         cells = [_gb(base[k]) for k in ("DDP", "ZeRO-1", "ZeRO-2")]
         cells += [f"{_gb(r.persistent_bytes)} / {_gb(r.peak_bytes)}" for r in reports]
         rows.append(f"| {name} | " + " | ".join(cells) + f" | {reports[0].host_bytes / GIB:.2f} |")

@@ -142,7 +142,7 @@ class DynamicHalves(FixedHalves):
         self.round_s.append(seconds)
 
 
-def halves_for(accumulation: Accumulation, *counts: int | None) -> FixedHalves:
+def halves_for(accumulation: Accumulation, micro_batches: int, least: int, most: int | None) -> FixedHalves:
     """The policy that ends the halves in this accumulation mode, for its micro-batch counts."""
     policy = {Accumulation.FIXED: FixedHalves, Accumulation.DYNAMIC: DynamicHalves, Accumulation.PACED: PacedHalves}
-    return policy[accumulation](*counts)
+    return policy[accumulation](micro_batches, least, most)

@@ -98,7 +98,9 @@ def engine_memory(
     optimizer: str = "fused",
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
-    if comm_dtype == "auto":
+    if isinstance(comm_dtype, str):
+        if comm_dtype != "auto":
+            raise ValueError(f"comm_dtype is a torch dtype or 'auto' (the model's), got {comm_dtype!r}")
         comm_dtype = param_dtype
     layout = FlatLayout([torch.empty(numel, device="meta")], ["all"], [0], world_size, bucket_numel, backend)
     full, shard = layout.padded_numel, layout.shard_numel

@@ -76,7 +76,7 @@ def run_ranks(
     initialising the process group to ``fn`` (e.g. to Accelerate). Use ``start_method="spawn"`` (and a
     module-level ``fn``) once CUDA may be initialised: CUDA does not survive a fork.
     """
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)  # fork or spawn (the base type declares no Process)
     if backend is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())

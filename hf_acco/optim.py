@@ -102,7 +102,7 @@ class ShardOptimizer:
             groups[seg.group]["params"].append(p)
         self.inner = optimizer_cls(groups, **defaults)
         self._flat_state: dict[str, torch.Tensor] = {}  # per-element state keys, as shard-sized vectors
-        self._grad_views: dict[int, list[torch.Tensor]] = {}
+        self._grad_views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
         if self.own_grad is not None:
             self.use_grad(None)
         self._windows = _estimate_windows(self.segments, estimate_window(master.numel()))
@@ -213,18 +213,22 @@ class ShardOptimizer:
 
         Window by window (``estimate_window`` elements at most, which bounds the temporaries); the step is never
         read on the host (a fused or capturable step lives on the device: reading it would be a device sync)."""
-        pn = self.piece_numel
+        pn, grad = self.piece_numel, self.grad
+        if grad is None:
+            raise AssertionError("an estimate with no gradient in use (use_grad sets it)")
         for a, b in self._padding:  # padding takes the committed values
             _piece_range(out, a, b, pn).copy_(self.master[a:b])
         for window in self._windows:
             for g, runs in window.items():
-                self._adam_estimate_runs(self.inner.param_groups[g], runs, out)
+                self._adam_estimate_runs(self.inner.param_groups[g], runs, grad, out)
 
-    def _adam_estimate_runs(self, group: dict[str, Any], runs: list[tuple[int, int]], out: torch.Tensor) -> None:
+    def _adam_estimate_runs(
+        self, group: dict[str, Any], runs: list[tuple[int, int]], grad: torch.Tensor, out: torch.Tensor
+    ) -> None:
         pn = self.piece_numel
         state = self.inner.state.get(group["params"][0], {})
         thetas = [self.master[a:b] for a, b in runs]
-        grads = [_piece_range(self.grad, a, b, pn) for a, b in runs]
+        grads = [_piece_range(grad, a, b, pn) for a, b in runs]
         targets = [_piece_range(out, a, b, pn) for a, b in runs]
         # the update is computed in fp32 in place of a copy of θ: straight in ``out`` when it is fp32 and does not
         # hold the gradient (the kernel reads the gradient while it writes θ), else in a temporary rounded once
@@ -292,8 +296,8 @@ class ShardOptimizer:
                     self.inner.state[p][k] = v
 
 
-_ADAM_FLAGS = ("amsgrad", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused")
-_ADAM_FLAGS += ("decoupled_weight_decay",)
+_ADAM_FLAGS: tuple[str, ...] = ("amsgrad", "weight_decay", "eps", "maximize", "foreach", "capturable")
+_ADAM_FLAGS += ("differentiable", "fused", "decoupled_weight_decay")
 
 
 def _zero_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:

@@ -95,16 +95,18 @@ class Pacer:
         self._held, self._exhausted = None, False
         passes, skip = self._stream_start.get(_rank(), (0, 0))
         self._stream_start = {}
-        self._start_pass(passes)
+        it = self._start_pass(passes)
         for _ in range(skip):  # a resumed stream: the batches this rank had used (fetched again, as Trainer does)
-            next(self._it)
+            next(it)
         self._taken = skip
 
-    def _start_pass(self, passes: int) -> None:
+    def _start_pass(self, passes: int) -> Iterator[Any]:
         self._passes, self._taken = passes, 0
-        if self.sampler.endless and hasattr(getattr(self.loader, "dataset", None), "set_epoch"):
-            self.loader.dataset.set_epoch(passes)  # a streamed dataset's shuffling follows its pass
-        self._it = iter(self.loader)
+        dataset = getattr(self.loader, "dataset", None)
+        if self.sampler.endless and dataset is not None and hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(passes)  # a streamed dataset's shuffling follows its pass
+        self._it = it = iter(self.loader)
+        return it
 
     def step_batches(self, optimizer: Any) -> Iterator[Any]:
         """This rank's micro-batches of the next optimizer step; ends the step's halves and the step on
@@ -147,9 +149,9 @@ class Pacer:
         except StopIteration:
             if not self.sampler.endless:
                 return None
-            self._start_pass(self._passes + 1)  # this rank's stream ended: its next pass
+            it = self._start_pass(self._passes + 1)  # this rank's stream ended: its next pass
             try:
-                batch = next(self._it)
+                batch = next(it)
             except StopIteration:
                 raise ValueError("This rank's stream of training data is empty: check the dataset's shards.") from None
         self._taken += 1

@@ -188,7 +188,7 @@ class RoundBody:
             # an output narrower than the gradient it overwrites (a bf16 model, fp32 on the wire, the gradient in
             # this rank's own pieces): the update is computed in place of the gradient first, then rounded
             narrow = buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()
-            norm, skipped = self._update(kind, buf, total_weight, hparams, narrow)  # 3.-6.
+            norm, skipped = self._update(kind, buf, grad, total_weight, hparams, narrow)  # 3.-6.
         # 7. all-gather
         comm.all_gather(layout, None, buf)
         if buf.is_cuda:  # the round's duration is that of its kernels, not of their launch (work.wait() does not
@@ -211,14 +211,21 @@ class RoundBody:
         return True
 
     def _update(
-        self, kind: RoundKind, buf: torch.Tensor, total_weight: float, hparams: list, narrow: bool = False
+        self,
+        kind: RoundKind,
+        buf: torch.Tensor,
+        grad: torch.Tensor,
+        total_weight: float,
+        hparams: list,
+        narrow: bool = False,
     ) -> tuple[torch.Tensor, bool]:
-        """Average, norm, clip, update; this rank's pieces of ``buf`` get the result. (norm, skipped)."""
+        """Average, norm, clip, update (``grad``: the shard's reduced gradient, the one ``shard.use_grad`` set); this
+        rank's pieces of ``buf`` get the result. (norm, skipped)."""
         layout, shard = self.layout, self.shard
         # 3. average
-        shard.grad.div_(total_weight)
+        grad.div_(total_weight)
         # 4. global gradient norm and clipping, as torch.nn.utils.clip_grad_norm_ computes them
-        norm = self.global_grad_norm()
+        norm = self.global_grad_norm(grad)
         skipped = not bool(torch.isfinite(norm).all())  # all-reduced: every rank decides the same
         if skipped and self.nonfinite == "error":
             raise FloatingPointError(
@@ -230,22 +237,22 @@ class RoundBody:
             put_own_pieces(layout, buf, shard.master, self.rank)
             return norm, skipped
         if self.max_grad_norm is not None:
-            shard.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
+            grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
         # 5. optimizer update, 6. written into this rank's pieces of ``buf``
         if kind is RoundKind.COMMIT:
             shard.commit(hparams)
             put_own_pieces(layout, buf, shard.master, self.rank)
         elif narrow:  # the look-ahead in fp32 in place of the gradient, then rounded into the output's pieces
-            shard.estimate(hparams, shard.grad)
-            narrow_own_pieces(layout, shard.grad, buf, self.rank)
+            shard.estimate(hparams, grad)
+            narrow_own_pieces(layout, grad, buf, self.rank)
         else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
             shard.estimate(hparams, own_pieces(layout, buf, self.rank))
         return norm, skipped
 
-    def global_grad_norm(self) -> torch.Tensor:
-        """Norm of the per-parameter norms (clip_grad_norm_'s formula, so that clipping matches it to the bit
-        for parameters held by one rank): each rank adds its part of each parameter's squared norm."""
-        grad = self.shard.grad
+    def global_grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
+        """Norm of the per-parameter norms of the shard's gradient ``grad`` (clip_grad_norm_'s formula, so that
+        clipping matches it to the bit for parameters held by one rank): each rank adds its part of each
+        parameter's squared norm."""
         partial = torch.zeros(len(self.layout.params), dtype=grad.dtype, device=grad.device)
         if self._pieces:  # one fused call over every piece, not a Python loop
             if grad.data_ptr() not in self._piece_views:  # made once for each place the gradient lives

@@ -87,7 +87,7 @@ class RoundRunner:
         handle = RoundHandle(future)
 
         def run() -> tuple[Any, torch.cuda.Event | None]:
-            if self._stream is None:
+            if self._stream is None or ready is None:  # (both or neither: CPU)
                 return fn(), None
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(ready)

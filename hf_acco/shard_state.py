@@ -92,7 +92,7 @@ class BoundaryState:
                 )
             return out
         if moved:
-            if not self.captured:
+            if not self.captured or self.copy is None:
                 raise AssertionError("the model moved mid-step without a copy of its boundary state")
             return self.copy.clone()
         out = torch.zeros(self.layout.shard_numel, dtype=self.param_dtype)
@@ -243,9 +243,14 @@ def reshard(shards: list[dict[str, Any]], layout: FlatLayout, rank: int) -> dict
         layout=layout.meta(),
         master=take(lambda s: s["master"]),
         model=take(lambda s: s["model"]),
-        optim_state={k: take(lambda s, k=k: s["optim_state"][k]) for k in shards[0]["optim_state"]},
+        optim_state={k: take(_optim_state(k)) for k in shards[0]["optim_state"]},
     )
     return out
+
+
+def _optim_state(key: str) -> Callable[[dict], torch.Tensor]:
+    """A shard's vector of the inner optimizer's state ``key``."""
+    return lambda shard: shard["optim_state"][key]
 
 
 def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,9 +40,9 @@ class EngineStats:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to log as the uninterrupted one does: the latest commit round (its grad norm and
         global micro-batches are logged at the next step) and the counts that add up the whole run."""
-        last = None if self.last_commit is None else dataclasses.asdict(self.last_commit)
-        if last is not None:
-            last["kind"] = self.last_commit.kind.value
+        last = None
+        if self.last_commit is not None:
+            last = {**dataclasses.asdict(self.last_commit), "kind": self.last_commit.kind.value}
         return {"last_commit": last, **{k: self.totals[k] for k in ("skipped_steps", "global_micro_batches")}}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:

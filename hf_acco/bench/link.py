@@ -92,7 +92,7 @@ class Link:
         ranks = range(world_size)
         self.namespaces = [f"{self.prefix}lo"] if loopback else [f"{self.prefix}r{r}" for r in ranks]
         self.devices = ["lo"] if loopback else [f"{tag}v{r}" for r in ranks]
-        self.bridge_namespace = f"{self.prefix}br" if self.bridge else None  # the switch (between nodes: the core)
+        self.bridge_namespace = f"{self.prefix}br"  # the switch (between nodes: the core); used with ``bridge`` only
         self.ports = [f"{tag}b{r}" for r in ranks] if self.bridge else []  # the bridge's end of each rank's veth
         # two levels: a bridge per node, its uplink (node's end, core's end) to the core bridge
         self.node_namespaces = [f"{self.prefix}n{i}" for i in range(nodes)] if nodes > 1 else []

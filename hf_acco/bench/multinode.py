@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     out = Path(args.out)
     command = "python -m hf_acco.bench.multinode " + shlex.join(sys.argv[1:] if argv is None else argv)
+    payload: dict[str, Any]
     if args.from_json:
         payload = json.loads(Path(args.from_json).read_text())
         predict(payload["runs"])
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started, runs = time.time(), []
     settings = [(m, a, args.micro_batches) for m, a in METHODS]
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
-    payload: dict[str, Any] = {"command": command, "settings": vars(args), "machine": machine, "emulated": True}
+    payload = {"command": command, "settings": vars(args), "machine": machine, "emulated": True}
     with tempfile.TemporaryDirectory(prefix="hf_acco_multinode_") as tmp:
         for nodes in args.nodes:
             label = f"nodes{nodes}x{args.ranks_per_node}"

@@ -191,7 +191,7 @@ def check_recommendation(check_runs: list[dict[str, Any]], c: plan.Constants) ->
     key = lambda r: (r["method"], r["accumulation"], r["micro_batches"])  # noqa: E731
     measured = {key(r): r["tokens_per_s"] for r in check_runs}
     chosen = measured[key(choice)]
-    best_key = max(measured, key=measured.get)
+    best_key = max(measured, key=lambda k: measured[k])
     return {"setting": check_runs[0]["setting"], "recommended": list(key(choice)),
             "recommended_tokens_per_s": chosen, "best": list(best_key), "best_tokens_per_s": measured[best_key],
             "recommended_over_best": chosen / measured[best_key],

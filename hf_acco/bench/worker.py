@@ -62,7 +62,9 @@ def build_model(spec: dict[str, Any], emulation: Emulation | None = None) -> tor
     model = LlamaForCausalLM(config)
     if emulation is not None:
         emulation.attach(model)
-    return model.to(torch.bfloat16) if spec.get("model_dtype") == "bf16" else model
+    if spec.get("model_dtype") == "bf16":
+        model.to(torch.bfloat16)  # type: ignore[arg-type]  # (transformers' wrapper of Module.to hides its types)
+    return model
 
 
 def batches(tokens: torch.Tensor, spec: dict[str, Any], rank: int):
@@ -80,7 +82,7 @@ def paced_data(tokens: torch.Tensor, spec: dict[str, Any], micro_batches: int) -
     g = torch.Generator().manual_seed(1000 * spec["seed"] + 999)
     seq, n = spec["seq"], (spec["steps"] + 1) * micro_batches * spec["batch"]
     starts = torch.randint(0, tokens.numel() - seq, (n,), generator=g).tolist()
-    windows = [tokens[s : s + seq] for s in starts]
+    windows: Any = [tokens[s : s + seq] for s in starts]  # a map-style dataset of windows
     sampler = ClaimingBatchSampler(default_store(), n, spec["batch"], seed=spec["seed"],
                                    num_replicas=dist.get_world_size())  # fmt: skip
     pacer = Pacer(DataLoader(windows, batch_sampler=sampler, collate_fn=torch.stack), sampler, micro_batches)
@@ -135,7 +137,7 @@ class Emulation:
         self.layers = 1
         self.t0 = 0.0
 
-    def attach(self, model: torch.nn.Module) -> None:
+    def attach(self, model: Any) -> None:  # a LlamaForCausalLM
         blocks = model.model.layers
         self.layers = len(blocks)
         sizes = [self.params // self.layers + (i < self.params % self.layers) for i in range(self.layers)]
@@ -144,7 +146,7 @@ class Emulation:
             block.register_forward_hook(self._hook(i))
 
     def _hook(self, layer: int):  # noqa: ANN202
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> Any:  # a decoder layer, with its ballast
             hidden = output[0] if isinstance(output, tuple) else output
             # the ballast's gradient (zeros, of its full size) is computed in this layer's backward
             hidden = hidden + 0.0 * module.bench_ballast.sum().to(hidden.dtype)
@@ -269,35 +271,12 @@ def train_run(
     rank: int,
     emu: Emulation | None = None,
 ) -> dict[str, Any]:
-    """One method for ``spec['steps']`` optimizer steps; the raw timings of this rank.
-
-    First, compute alone again (both ranks at once, one step's micro-batches on a stream of their own): this
-    shared machine's speed drifts by several percent within minutes, so the compute time a run is compared with
-    is measured next to it, not only once per setting.
-    """
-    _reset_peak_memory()
-    resident_before = _memory("VmRSS")
-    model = build_model(spec, emu)
+    """One method for ``spec['steps']`` optimizer steps; the raw timings of this rank."""
+    model, alone, resident_before = model_and_compute_alone(spec, tokens, rank, emu)
     timing = emu or _RealCompute()
-    dist.barrier()
-    alone = compute_alone(model, batches(tokens, spec, rank + 1000), 4, warmup=1, emu=emu)
-    _reset_peak_memory()
     k, steps = run.get("k", spec["micro_batches"]), spec["steps"]
-    method, wire = method_parts(run["method"])
     stream = batches(tokens, spec, rank)
-    paced = False
-    if method == "ddp":  # as Trainer runs it: no_sync while accumulating, all-reduce in the last backward
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        if wire == "bf16":  # the matching choice for a bf16 wire: DDP's compression hook
-            ddp.register_comm_hook(None, bf16_wire_hook)
-        opt: Any = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0)
-    else:
-        ddp = None
-        # dynamic: ACCOTrainer's path (the same global batch of 2 x k micro-batches, each rank at its own pace)
-        paced = run["accumulation"] == "dynamic"
-        opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation="paced" if paced else "fixed",
-                            micro_batches=k, max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
-                            comm_dtype=wire, bucket_numel=spec.get("bucket_numel"))  # fmt: skip
+    ddp, opt, paced = build_method(run, spec, model, k)
 
     tokens_per_mb = spec["batch"] * spec["seq"]
     records, step_ends, waits, per_step, mb_compute = [], [], [], [], []
@@ -363,21 +342,50 @@ def train_run(
     sent1 = traffic.read()
     log = {
         **run,
-        "step_ends": step_ends,
-        "waits": waits,
-        "micro_batches": per_step,
-        "records": records,
-        "compute_alone_s": alone,
-        "micro_batch_compute_s": mb_compute,
-        "cpu_s": cpu1 - cpu0,
-        "wall_s": wall,
-        "tx_bytes": None if sent0 is None else sent1 - sent0,
+        **{"step_ends": step_ends, "waits": waits, "micro_batches": per_step, "records": records},
+        **{"compute_alone_s": alone, "micro_batch_compute_s": mb_compute, "cpu_s": cpu1 - cpu0, "wall_s": wall},
+        "tx_bytes": None if sent0 is None or sent1 is None else sent1 - sent0,
         "peak_mem_bytes": _memory("VmHWM"),
         "resident_before_bytes": resident_before,
         "buffer_bytes": 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
     del model, opt, ddp
     return log
+
+
+def model_and_compute_alone(
+    spec: dict[str, Any], tokens: torch.Tensor, rank: int, emu: Emulation | None
+) -> tuple[torch.nn.Module, list[float], int | None]:
+    """(model, compute alone, resident memory before the model). The compute alone is measured again before each
+    run (both ranks at once, one step's micro-batches on a stream of their own): this shared machine's speed
+    drifts by several percent within minutes, so the compute time a run is compared with is measured next to it,
+    not only once per setting."""
+    _reset_peak_memory()
+    resident_before = _memory("VmRSS")
+    model = build_model(spec, emu)
+    dist.barrier()
+    alone = compute_alone(model, batches(tokens, spec, rank + 1000), 4, warmup=1, emu=emu)
+    _reset_peak_memory()
+    return model, alone, resident_before
+
+
+def build_method(
+    run: dict[str, Any], spec: dict[str, Any], model: torch.nn.Module, k: int
+) -> tuple[torch.nn.parallel.DistributedDataParallel | None, Any, bool]:
+    """(DDP wrapper or None, optimizer, paced) for the run's method: DDP as Trainer runs it (no_sync while
+    accumulating, all-reduce in the last backward) or an ACCOOptimizer; dynamic runs take ACCOTrainer's path (the
+    same global batch of 2 x k micro-batches, each rank at its own pace)."""
+    method, wire = method_parts(run["method"])
+    if method == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if wire == "bf16":  # the matching choice for a bf16 wire: DDP's compression hook
+            ddp.register_comm_hook(None, bf16_wire_hook)
+        return ddp, torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0), False
+    paced = run["accumulation"] == "dynamic"
+    opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation="paced" if paced else "fixed",
+                        micro_batches=k, max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
+                        comm_dtype=wire, bucket_numel=spec.get("bucket_numel"))  # fmt: skip
+    return None, opt, paced
 
 
 def main(spec_path: str, out_path: str) -> None:

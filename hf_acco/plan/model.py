@@ -251,7 +251,7 @@ def recommend(
     one, and bf16 too when fp32 is stated) of the most tokens/s; among settings within ``tolerance`` of it, the
     one with the fewest micro-batches (a smaller global batch converges better per token), then the first in
     :data:`METHODS` (DDP, ZeRO-1, ACCO fixed, ACCO dynamic: the simpler first), then fp32 on the wire (exact)."""
-    options = []
+    options: list[dict[str, Any]] = []
     times = job.times(cluster.gpus)
     wires = grad_bytes or ((4, 2) if job.grad_bytes == 4 else (job.grad_bytes,))
     for k in ks or candidates(job.micro_batches):

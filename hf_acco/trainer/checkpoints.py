@@ -9,15 +9,19 @@ import json
 import logging
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 from hf_acco.checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
 from hf_acco.comm import PeerFailure, node
 from hf_acco.distributed import every_rank
+from hf_acco.trainer.engine import engine_of
+
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
+    from hf_acco.trainer.mixin import ACCOTrainerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +90,7 @@ def resolve_resume(args: TrainingArguments, resume_from_checkpoint: str | bool |
     every rank alike. ``True``: the latest checkpoint complete on every rank."""
     world, rank = args.world_size, args.process_index
     if resume_from_checkpoint is True:
-        mine = complete_checkpoints(args.output_dir, world, [rank])
+        mine = complete_checkpoints(args.output_dir, world, [rank])  # type: ignore[arg-type]  # (set by then)
         everywhere = set.intersection(*(set(steps) for steps in every_rank(sorted(mine))))
         for step in sorted(set(mine) - everywhere):
             logger.warning(
@@ -119,7 +123,7 @@ def resolve_resume(args: TrainingArguments, resume_from_checkpoint: str | bool |
 def peer_failure(args: TrainingArguments, error: BaseException) -> PeerFailure:
     """What a rank says when a peer died or stopped answering: who, where, and the checkpoint to resume from."""
     rank, world = args.process_index, args.world_size
-    latest = last_complete_checkpoint(args.output_dir)
+    latest = last_complete_checkpoint(args.output_dir)  # type: ignore[arg-type]  # (set by then)
     return PeerFailure(
         f"Training stopped on rank {rank} ({node()}): peer rank(s) {[r for r in range(world) if r != rank]} "
         "died or "
@@ -128,22 +132,23 @@ def peer_failure(args: TrainingArguments, error: BaseException) -> PeerFailure:
     )
 
 
-def save_engine_state(trainer: Trainer, output_dir: str) -> None:
+def save_engine_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
     """Every rank's optimizer shard; on the writing process the scheduler and, in dynamic mode, the position in the
     epoch (the same on every rank at a step boundary)."""
-    save_optimizer_state(trainer.acco, output_dir)  # every rank writes its own shard
+    save_optimizer_state(engine_of(trainer), output_dir)  # every rank writes its own shard
     data = trainer._pacer.state_dict() if trainer._pacer is not None else None  # collective with streams
     if trainer.args.should_save:
-        atomic_save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        atomic_save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))  # type: ignore[union-attr]
         if data is not None:
             atomic_write_json(data, os.path.join(output_dir, DATA_STATE_NAME))
 
 
-def load_engine_state(trainer: Trainer, checkpoint: str) -> None:
-    load_optimizer_state(trainer.acco, checkpoint)  # collective; re-shards if the world size changed
+def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
+    load_optimizer_state(engine_of(trainer), checkpoint)  # collective; re-shards if the world size changed
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
     if os.path.isfile(scheduler_file):
-        trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, map_location="cpu", weights_only=True))
+        state = torch.load(scheduler_file, map_location="cpu", weights_only=True)
+        trainer.lr_scheduler.load_state_dict(state)  # type: ignore[union-attr]  # (Trainer's, built by then)
 
 
 def ranks_meet_before_trainer_state() -> None:
@@ -162,7 +167,7 @@ class _JITAgreement(TrainerCallback):
     and then all raise the flag the JIT callback checks, which saves at that step boundary and stops.
     """
 
-    def __init__(self, trainer: Trainer, manager: Any) -> None:
+    def __init__(self, trainer: ACCOTrainerMixin, manager: Any) -> None:
         self.trainer, self.manager, self.pending = trainer, manager, False
         manager._enable_checkpoint = self._mark  # called by the SIGTERM timer thread
 
@@ -178,7 +183,7 @@ class _JITAgreement(TrainerCallback):
             self.manager.is_checkpoint_requested = True
 
 
-def agree_on_jit_checkpoints(trainer: Trainer) -> None:
+def agree_on_jit_checkpoints(trainer: ACCOTrainerMixin) -> None:
     """Put a _JITAgreement callback in front of transformers' JIT checkpoint callback, if there is one."""
     callbacks = trainer.callback_handler.callbacks
     for i, cb in enumerate(callbacks):
@@ -189,7 +194,7 @@ def agree_on_jit_checkpoints(trainer: Trainer) -> None:
 
 
 @contextlib.contextmanager
-def model_files_on_this_node(trainer: Trainer) -> Any:
+def model_files_on_this_node(trainer: ACCOTrainerMixin) -> Any:
     """With ``save_on_each_node``, each node's first process writes the model files too (every node holds the full
     parameters: a per-node checkpoint then resumes without a shared file system). transformers 5.24's
     ``save_pretrained`` writes on global rank 0 only (``should_save_on_this_rank``); Trainer passes

@@ -17,13 +17,12 @@ import json
 import logging
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
 import torch.distributed as dist
 from datasets.distributed import split_dataset_by_node
-from transformers import Trainer
 from transformers.trainer_pt_utils import IterableDatasetShard, LengthGroupedSampler, get_length_grouped_indices
 from transformers.trainer_utils import has_length, seed_worker
 
@@ -32,10 +31,20 @@ from hf_acco.pacing import Pacer
 
 from .checkpoints import DATA_STATE_NAME
 
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
+    from hf_acco.trainer.mixin import ACCOTrainerMixin
+
 logger = logging.getLogger(__name__)
 
 
-def build_pacer(trainer: Trainer) -> Pacer:
+def pacer_of(trainer: ACCOTrainerMixin) -> Pacer:
+    """The trainer's pacer, which dynamic mode's ``get_train_dataloader`` builds."""
+    if trainer._pacer is None:
+        raise RuntimeError("ACCOTrainer builds its pacer with the train dataloader (dynamic mode): there is none yet.")
+    return trainer._pacer
+
+
+def build_pacer(trainer: ACCOTrainerMixin) -> Pacer:
     """Trainer's data pipeline (unused columns, collator, workers, seed, sampling strategy) over batches claimed
     from one shared, seeded order of the dataset: every sample once per epoch, whatever the ranks' speeds."""
     args, dataset = trainer.args, trainer.train_dataset
@@ -72,7 +81,8 @@ def build_pacer(trainer: Trainer) -> Pacer:
     )  # fmt: skip
     workers = args.dataloader_num_workers
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collator, num_workers=workers,
+        dataset,  # type: ignore[arg-type]  # (a map-style dataset: Trainer's train_dataset)
+        batch_sampler=sampler, collate_fn=collator, num_workers=workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers,
         multiprocessing_context=args.dataloader_multiprocessing_context,
         prefetch_factor=args.dataloader_prefetch_factor, in_order=args.dataloader_in_order,
@@ -81,7 +91,7 @@ def build_pacer(trainer: Trainer) -> Pacer:
     return Pacer(loader, sampler, args.world_size * args.gradient_accumulation_steps)
 
 
-def build_stream_pacer(trainer: Trainer, dataset: Any, store: dist.Store) -> Pacer:
+def build_stream_pacer(trainer: ACCOTrainerMixin, dataset: Any, store: dist.Store) -> Pacer:
     """An IterableDataset: every rank reads its own shard (datasets' split_dataset_by_node, else Trainer's
     IterableDatasetShard) at its own pace, starting it again when it ends; the batches are numbered from one
     shared counter, so the steps are global batches as for a map-style dataset. Needs ``max_steps``."""
@@ -102,11 +112,12 @@ def build_stream_pacer(trainer: Trainer, dataset: Any, store: dist.Store) -> Pac
     return Pacer(loader, tickets, args.world_size * args.gradient_accumulation_steps)
 
 
-def length_grouped_order(trainer: Trainer, dataset: Any, seed: int) -> Any:
+def length_grouped_order(trainer: ACCOTrainerMixin, dataset: Any, seed: int) -> Any:
     """group_by_length: Trainer's grouping of similar lengths, seeded per epoch the same way on every rank."""
     column, batch_size = trainer.args.length_column_name, trainer._train_batch_size
     lengths = dataset[column] if isinstance(dataset, datasets.Dataset) and column in dataset.column_names else None
-    name = trainer.processing_class.model_input_names[0] if trainer.processing_class is not None else None
+    processor = trainer.processing_class  # (as Trainer reads it)
+    name = processor.model_input_names[0] if processor is not None else None  # type: ignore[union-attr]
     grouped = LengthGroupedSampler(batch_size, dataset=dataset, lengths=lengths, model_input_name=name)
 
     def order(epoch: int) -> list[int]:
@@ -116,11 +127,11 @@ def length_grouped_order(trainer: Trainer, dataset: Any, seed: int) -> Any:
     return order
 
 
-def restore_position(trainer: Trainer, checkpoint: str) -> None:
+def restore_position(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
     """The epoch and the position in it from a checkpoint's data state (Trainer would derive them from
     global_step and skip batches by fetching them, which here would claim them); with epochs, the steps the data
     has left at this world size."""
-    pacer, args = trainer._pacer, trainer.args
+    pacer, args = pacer_of(trainer), trainer.args
     path = os.path.join(checkpoint, DATA_STATE_NAME)
     if not os.path.isfile(path):
         raise ValueError(
@@ -131,7 +142,7 @@ def restore_position(trainer: Trainer, checkpoint: str) -> None:
         pacer.load_state_dict(json.load(f))
     if args.max_steps <= 0:  # epochs: Trainer's count unless the checkpoint had other ranks, a fractional last
         # epoch included
-        per_epoch = -(-len(pacer.sampler) // args.gradient_accumulation_steps)
+        per_epoch = -(-len(pacer.sampler) // args.gradient_accumulation_steps)  # type: ignore[arg-type]
         done = per_epoch - pacer.steps_left()  # of the resumed epoch, in this world size's steps
         epochs_left = args.num_train_epochs - pacer.resume_epoch
         trainer.state.max_steps = trainer.state.global_step + max(math.ceil(epochs_left * per_epoch) - done, 0)
@@ -165,10 +176,10 @@ class PacedSlots:
 
     def __init__(self, pacer: Pacer) -> None:
         self.pacer = pacer
-        self.dataset = pacer.loader.dataset  # Trainer's num_examples
+        self.dataset = pacer.loader.dataset  # type: ignore[attr-defined]  # (Trainer's num_examples; a DataLoader)
 
     def __len__(self) -> int:
-        return len(self.pacer.sampler)
+        return len(self.pacer.sampler)  # type: ignore[arg-type]  # (a claiming sampler: an epoch's batches)
 
     def __iter__(self) -> Any:
         return iter(range(len(self)))

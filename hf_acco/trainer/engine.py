@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Trainer, TrainingArguments
@@ -17,6 +17,9 @@ from hf_acco.core import ACCOOptimizer
 from hf_acco.distributed import ensure_process_group
 from hf_acco.optim import check_elementwise
 from hf_acco.schedule import validate_settings
+
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
+    from hf_acco.trainer.mixin import ACCOTrainerMixin
 
 ALLOW_CUSTOM = "set acco_allow_custom_optimizer=True and pass it as optimizer_cls_and_kwargs=(cls, kwargs)"
 
@@ -56,7 +59,7 @@ def check_args(training_args: TrainingArguments) -> None:
         )
 
 
-def check_trainer(trainer: Trainer) -> None:
+def check_trainer(trainer: ACCOTrainerMixin) -> None:
     """What only a built Trainer can tell: its data, its optimizer class, the launch, a dynamic acco step's size."""
     args = trainer.args
     if (
@@ -66,7 +69,7 @@ def check_trainer(trainer: Trainer) -> None:
     ):
         raise ValueError("train_dataset is empty: ACCO has nothing to train on. Check the data files and filters.")
     if trainer.optimizer_cls_and_kwargs is None:
-        cls, _ = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
+        cls, _ = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)  # type: ignore[arg-type]  # (as Trainer)
         check_elementwise(cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
     check_world_size(trainer.accelerator.num_processes)
     if (
@@ -81,7 +84,14 @@ def check_trainer(trainer: Trainer) -> None:
         )
 
 
-def reuse_engine(trainer: Trainer) -> torch.optim.Optimizer | None:
+def engine_of(trainer: ACCOTrainerMixin) -> ACCOOptimizer:
+    """The trainer's engine, which ``create_optimizer`` builds at the start of ``train()``."""
+    if trainer.acco is None:
+        raise RuntimeError("ACCOTrainer builds its ACCO engine in train() (create_optimizer): there is none yet.")
+    return trainer.acco
+
+
+def reuse_engine(trainer: ACCOTrainerMixin) -> torch.optim.Optimizer | None:
     """The engine of an earlier ``train()`` to go on with, or None to build one (Trainer calls create_optimizer at
     every train()). The engine released its hooks and thread when the last training ended: train() again goes on
     with the same engine and state, as Trainer goes on with its optimizer. An engine left mid-step by a failed
@@ -97,7 +107,7 @@ def reuse_engine(trainer: Trainer) -> torch.optim.Optimizer | None:
     return None
 
 
-def optimizer_groups(trainer: Trainer, model: torch.nn.Module, taken: Any) -> tuple[type, dict, list[dict]]:
+def optimizer_groups(trainer: ACCOTrainerMixin, model: torch.nn.Module, taken: Any) -> tuple[type, dict, list[dict]]:
     """The optimizer's class, settings and parameter groups: those of an instance the user passed (checked in
     __init__), else Trainer's choice (``optim`` or ``optimizer_cls_and_kwargs``) over its weight-decay groups."""
     if taken is not None:
@@ -107,7 +117,7 @@ def optimizer_groups(trainer: Trainer, model: torch.nn.Module, taken: Any) -> tu
     if trainer.optimizer_cls_and_kwargs is not None:
         cls, kwargs = trainer.optimizer_cls_and_kwargs
     else:
-        cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
+        cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)  # type: ignore[arg-type]  # as Trainer
     decay = set(trainer.get_decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = []
@@ -119,7 +129,7 @@ def optimizer_groups(trainer: Trainer, model: torch.nn.Module, taken: Any) -> tu
     return cls, kwargs, groups
 
 
-def build_engine(trainer: Trainer, model: torch.nn.Module | None) -> torch.optim.Optimizer:
+def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> torch.optim.Optimizer:
     """Trainer's ``create_optimizer``: the ACCOOptimizer with the trainer's settings, prepared by Accelerate."""
     reused = reuse_engine(trainer)
     if reused is not None:
@@ -129,9 +139,10 @@ def build_engine(trainer: Trainer, model: torch.nn.Module | None) -> torch.optim
         taken, trainer.optimizer = trainer.optimizer, None
     if trainer.optimizer is not None:
         return trainer.optimizer
-    optimizer_cls, optimizer_kwargs, groups = optimizer_groups(
-        trainer, trainer.model if model is None else model, taken
-    )
+    model = trainer.model if model is None else model
+    if model is None:
+        raise ValueError("ACCOTrainer needs a model to build its optimizer for: pass model= (or model_init=).")
+    optimizer_cls, optimizer_kwargs, groups = optimizer_groups(trainer, model, taken)
     args = trainer.args
     check_elementwise(optimizer_cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
     ensure_process_group(trainer.accelerator.device)
@@ -155,8 +166,9 @@ def build_engine(trainer: Trainer, model: torch.nn.Module | None) -> torch.optim
         allow_custom_optimizer=True,  # checked just above, with the advice that fits Trainer
         **optimizer_kwargs,
     )
-    if taken is not None and getattr(trainer.lr_scheduler, "optimizer", None) is taken:
-        trainer.lr_scheduler.optimizer = trainer.acco  # the user's schedule now sets the engine's learning rates
+    scheduler = trainer.lr_scheduler
+    if taken is not None and scheduler is not None and getattr(scheduler, "optimizer", None) is taken:
+        scheduler.optimizer = trainer.acco  # the user's schedule now sets the engine's learning rates
     # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)
     trainer.optimizer = trainer.accelerator.prepare_optimizer(trainer.acco, device_placement=False)
     return trainer.optimizer

@@ -3,15 +3,21 @@ mode each rank's micro-batches and tokens and the loss of each step's global bat
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import Trainer
+
+from hf_acco.trainer.engine import engine_of
+
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
+    from hf_acco.trainer.mixin import ACCOTrainerMixin
 
 RUN_DEPENDENT_METRICS = ("acco_exposed_comm_s", "acco_round_s")  # logged, not kept in state.log_history
 
 
-def acco_metrics(trainer: Trainer, paced: bool) -> dict[str, float]:
+def acco_metrics(trainer: ACCOTrainerMixin, paced: bool) -> dict[str, float]:
     """Per optimizer step since the last log: exposed communication, round time, micro-batches, weight."""
-    acco = trainer.acco
+    acco = engine_of(trainer)
     totals = dict(acco.totals)
     delta = {k: v - trainer._logged_totals.get(k, 0.0) for k, v in totals.items()}
     trainer._logged_totals = totals
@@ -30,7 +36,7 @@ def acco_metrics(trainer: Trainer, paced: bool) -> dict[str, float]:
     return out
 
 
-def per_rank_metrics(trainer: Trainer, micro_batches: float, steps: float) -> dict[str, float]:
+def per_rank_metrics(trainer: ACCOTrainerMixin, micro_batches: float, steps: float) -> dict[str, float]:
     """Dynamic mode: every rank's micro-batches and tokens, and the loss of each step's global batch, weighted as
     its gradient (whoever computed which micro-batch), averaged over the steps as Trainer does: what DDP logs,
     not a mean of per-rank means."""

@@ -29,7 +29,7 @@ evaluation and before every micro-batch.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,13 @@ TRAINER_PRIVATE_ATTRIBUTES = (
 )
 
 
-class ACCOTrainerMixin:
+if TYPE_CHECKING:  # the type checker reads the mixin as the Trainer it is always mixed into
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class ACCOTrainerMixin(_TrainerBase):
     """Every ACCO override of [`~transformers.Trainer`], cooperative with ``super()``: put it first,
     ``class MyTrainer(ACCOTrainerMixin, SomeTrainer)``, and give it a config with the ``acco_*`` settings
     ([`ACCOConfigMixin`] joined to that trainer's config)."""
@@ -85,7 +91,8 @@ class ACCOTrainerMixin:
         self.acco: ACCOOptimizer | None = None
         self._pacer: Pacer | None = None  # dynamic mode: the claimed micro-batches of each step
         self._logged_totals: dict[str, float] = {}
-        self._input_tokens = self._logged_tokens = 0.0  # input tokens this rank computed, and when last logged
+        self._input_tokens: float = 0.0  # input tokens this rank computed
+        self._logged_tokens: float = 0.0  # ... and when last logged
         self._step_losses: list[torch.Tensor] = []  # dynamic mode: (loss x weight, weight) per step since the log
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -154,15 +161,15 @@ class ACCOTrainerMixin:
         # A window of one micro-batch under fixed acco: its two halves along the batch dimension, each one's loss
         # and gradient scaled by its share of the rows, so the step's are the whole batch's
         parts = weights.split_rows(inputs) if splits_batches(self.args) else [(inputs, 1.0)]
-        total = None
+        total: torch.Tensor | None = None
         for part, share in parts:
-            items = num_items_in_batch
+            items: Any = num_items_in_batch
             if items is not None and share != 1.0 and weights.loss_is_scaled(self, items):
                 items = items * share  # with the share as gradient scale: a loss summed over N is summed over N
             loss, _, scale = self._micro_batch(model, part, num_items_in_batch, items, share)
             loss = loss if len(parts) == 1 else loss * scale
             total = loss if total is None else total + loss
-        return total
+        return cast(torch.Tensor, total)  # (parts is never empty)
 
     def _micro_batch(
         self, model: torch.nn.Module, inputs: Any, window_items: Any, items: Any, share: float
@@ -170,17 +177,19 @@ class ACCOTrainerMixin:
         """Trainer's forward and backward of one micro-batch, its gradient scaled and weighted for the engine:
         (loss, weight, gradient scale)."""
         weight, scale = weights.micro_batch_weight(self, inputs, window_items, share, self._paced)  # before the pop
-        self.acco.grad_scale = scale
+        acco = engine.engine_of(self)
+        acco.grad_scale = scale
         loss = super().training_step(model, inputs, items)
-        self.acco.grad_scale = 1.0
-        self.acco.after_backward(weight)
+        acco.grad_scale = 1.0
+        acco.after_backward(weight)
         return loss, weight, scale
 
     def _paced_step(self, model: torch.nn.Module) -> torch.Tensor:
         """One ACCO optimizer step over the micro-batches this rank claims of the step's global batch; returns the
         mean loss of this rank's micro-batches (weighted as the gradient is)."""
         loss_sum, weight_sum = torch.zeros((), device=self.args.device), 0.0
-        for inputs in self._pacer.step_batches(self.acco):
+        pacer = data.pacer_of(self)
+        for inputs in pacer.step_batches(self.acco):
             num_items = self._get_num_items_in_batch([inputs], self.args.device)  # this micro-batch's alone
             if torch.is_tensor(num_items) and int(num_items) == 0:  # all labels masked: weight 0, zero gradient
                 num_items = torch.ones_like(num_items)  # (not a division by zero on this rank alone)
@@ -189,9 +198,9 @@ class ACCOTrainerMixin:
             mean = loss if scaled else loss * self.current_gradient_accumulation_steps
             loss_sum += mean.detach() * weight
             weight_sum += weight
-            self.current_flos += float(self.floating_point_ops(inputs))
+            self.current_flos += float(self.floating_point_ops(inputs))  # type: ignore[assignment]  # as Trainer
             self._input_tokens += weights.input_tokens(self, inputs)
-        if self._pacer.epoch_done:
+        if pacer.epoch_done:
             self.control.should_epoch_stop = True  # the epoch's batches are all used: every rank ends it here
         self._step_losses.append(torch.stack([loss_sum, torch.tensor(weight_sum, device=loss_sum.device)]))
         if weight_sum == 0:  # its peers computed all of this step; Trainer's nan filter fills in the mean so far

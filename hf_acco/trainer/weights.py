@@ -4,13 +4,15 @@ halves a window of one micro-batch is split into under fixed ``acco``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import Trainer
+
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
+    from hf_acco.trainer.mixin import ACCOTrainerMixin
 
 
-def loss_is_scaled(trainer: Trainer, num_items_in_batch: torch.Tensor | int | None) -> bool:
+def loss_is_scaled(trainer: ACCOTrainerMixin, num_items_in_batch: torch.Tensor | int | None) -> bool:
     """Whether Trainer normalised the loss by ``num_items_in_batch`` (else by the window's micro-batch count)."""
     if trainer.loss_is_scaled_for_ga is not None:
         return trainer.loss_is_scaled_for_ga
@@ -20,7 +22,11 @@ def loss_is_scaled(trainer: Trainer, num_items_in_batch: torch.Tensor | int | No
 
 
 def micro_batch_weight(
-    trainer: Trainer, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None, share: float, paced: bool
+    trainer: ACCOTrainerMixin,
+    inputs: dict[str, Any],
+    num_items_in_batch: torch.Tensor | int | None,
+    share: float,
+    paced: bool,
 ) -> tuple[float, float]:
     """(weight, gradient scale) that undo Trainer's normalisation of this micro-batch's loss.
 
@@ -69,7 +75,7 @@ def label_tokens(inputs: dict[str, Any], shifts_labels: bool) -> float:
     return float(labels.ne(-100).sum())
 
 
-def input_tokens(trainer: Trainer, inputs: dict[str, Any]) -> float:
+def input_tokens(trainer: ACCOTrainerMixin, inputs: dict[str, Any]) -> float:
     """The input tokens of a micro-batch as Trainer counts them for ``num_input_tokens_seen``."""
     if "attention_mask" in inputs and trainer.args.include_num_input_tokens_seen != "all":
         return float(inputs["attention_mask"].sum())
