@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from hf_acco.sharding import FlatLayout
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,11 @@ def rel(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence[tor
     flat = lambda x: x.flatten().double() if torch.is_tensor(x) else torch.cat([t.flatten().double() for t in x])  # noqa: E731
     fa, fb = flat(a), flat(b)
     return float((fa - fb).norm() / fb.norm())
+
+
+def clones(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Detached copies of a model's parameters, in order: what it holds now."""
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def accelerate_launch(
@@ -77,3 +84,38 @@ def descendants(pid: int) -> list[int]:
         frontier = [child for child, parent in parents.items() if parent in frontier]
         found += frontier
     return found
+
+
+# ---- a one-rank communicator, for the round's body alone (its signatures: tests/test_parts.py) ----------------
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class FakeComm:
+    """The collectives of one rank alone: sums over one rank are the rank's own values."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def guard(self, what: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def all_reduce(self, tensor: torch.Tensor, op=None, async_op: bool = False):
+        self.calls.append("all_reduce")
+        return _Done() if async_op else None
+
+    def all_reduce_counts(self, counts: list[float]) -> list[float]:
+        self.calls.append("all_reduce_counts")
+        return list(counts)
+
+    def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        self.calls.append("reduce_scatter")
+        shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0])  # shard: (num_buckets, chunk)
+
+    def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
+        self.calls.append("all_gather")  # one rank: its pieces are already in place

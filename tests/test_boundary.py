@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hf_acco import ACCOOptimizer
 from hf_acco.multiprocess import run_ranks
 
+from .helpers import clones
 from .models import batch, decay_groups, mean_loss, tiny_llama
 
 HP = {"lr": 1e-2, "betas": (0.9, 0.95)}
@@ -79,14 +80,14 @@ def eval_at(rank: int, world_size: int, where: str) -> dict:
         opt.step()
         _micro_batches(plain_model, plain, rank, t)
         plain.step()
-    held = [p.detach().clone() for p in model.parameters()]
+    held = clones(model)
     if where == "mid-step":  # half A: the accumulation buffer holds its gradients
         for i in range(1):
             mean_loss(model, batch(rank, 12 + i))[0].backward()
             opt.after_backward()
             mean_loss(plain_model, batch(rank, 12 + i))[0].backward()
             plain.after_backward()
-        held = [p.detach().clone() for p in model.parameters()]
+        held = clones(model)
     padded = opt.layout.padded_numel
     with Sizes() as sizes:
         opt.eval()
@@ -94,7 +95,7 @@ def eval_at(rank: int, world_size: int, where: str) -> dict:
     full_size_made = [op for op, n in sizes.made if n == padded]
     with pytest.raises(RuntimeError, match="in eval mode"):
         mean_loss(model, batch(rank, 99))[0].backward()  # the buffer holds the parameters: refused
-    evaluated = [p.detach().clone() for p in model.parameters()]
+    evaluated = clones(model)
     opt.train()
     restored = all(torch.equal(a, p) for a, p in zip(held, model.parameters()))
     accum_zero = where == "mid-step" or not opt.buffers.accum.any()
@@ -108,7 +109,7 @@ def eval_at(rank: int, world_size: int, where: str) -> dict:
     plain.step()
     with opt.committed_parameters(), plain.committed_parameters():
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
-        committed = [p.detach().clone() for p in model.parameters()]
+        committed = clones(model)
     moved = any(not torch.equal(a, b) for a, b in zip(evaluated, held))
     opt.close()
     plain.close()
@@ -169,7 +170,7 @@ def paced_boundary_in_eval(rank: int, world_size: int, evaluate: bool) -> list[t
                 opt.after_backward()
             opt.end_half() if half == 0 else opt.end_step()
     with opt.committed_parameters():
-        out = [p.detach().clone() for p in model.parameters()]
+        out = clones(model)
     opt.close()
     return out
 

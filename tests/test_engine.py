@@ -8,6 +8,7 @@ import torch
 from hf_acco import ACCOOptimizer, check_world_size
 from hf_acco.multiprocess import run_ranks
 
+from .helpers import clones
 from .models import batch, mean_loss, tiny_llama
 
 
@@ -90,7 +91,7 @@ def _mixed(rank: int, world_size: int) -> dict:
         if opt.ready_to_step():
             opt.step()
     with opt.committed_parameters():
-        final = [p.detach().clone() for p in model.parameters()]
+        final = clones(model)
     opt.close()
     return {"accumulated": accumulated, "views": bf16_grads, "final": final, "dtype": model.adapter.dtype}
 

@@ -19,6 +19,7 @@ from hf_acco.multiprocess import run_ranks
 from hf_acco.pacing import Pacer
 from hf_acco.schedule import Phase
 
+from .helpers import clones
 from .models import SEQ, VOCAB, decay_groups, tiny_llama, token_sum_loss
 from .reference import Reference, relative_error, run_acco, run_dpu
 
@@ -90,7 +91,7 @@ def train_paced(
             if scheduler is not None:
                 scheduler.step()
     with opt.committed_parameters():
-        final = [p.detach().clone() for p in model.parameters()]
+        final = clones(model)
     out = {"plan": plan, "final": final, "lrs": lrs, "pacer": pacer.state_dict(), "steps": opt.step_count}
     out["optimizer"] = opt.state_dict()
     opt.close()
@@ -218,7 +219,7 @@ def train_stream(rank: int, world_size: int, steps: int, state: dict | None = No
             opt.after_backward(weight)
         plan.append(used)
     with opt.committed_parameters():
-        final = [p.detach().clone() for p in model.parameters()]
+        final = clones(model)
     out = {"plan": plan, "final": final, "pacer": pacer.state_dict(), "optimizer": opt.state_dict()}
     out["micro_batches"] = micro_batches
     opt.close()

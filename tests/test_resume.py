@@ -12,7 +12,7 @@ from hf_acco import ACCOOptimizer
 from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
 from hf_acco.multiprocess import run_ranks
 
-from .helpers import rel
+from .helpers import clones, rel
 from .models import batch, decay_groups, mean_loss, tiny_llama
 
 HP = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.0}
@@ -52,9 +52,9 @@ def run_steps(model, opt, rank: int, world_size: int, start: int, stop: int, vir
 
 
 def snapshot(model, opt) -> dict:
-    held = [p.detach().clone() for p in model.parameters()]  # what the model computes with (the estimate)
+    held = clones(model)  # what the model computes with (the estimate)
     with opt.committed_parameters():
-        committed = [p.detach().clone() for p in model.parameters()]
+        committed = clones(model)
     return {"held": held, "committed": committed}
 
 
@@ -175,7 +175,7 @@ def load_into(rank: int, world_size: int, directory: str, model_kind: str) -> st
             model.get_input_embeddings().weight.requires_grad_(False)
     opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=4, **HP)
     master_before = opt.shard.master.clone()
-    params_before = [p.detach().clone() for p in model.parameters()]
+    params_before = clones(model)
     try:
         load_optimizer_state(opt, directory)
         return "loaded"

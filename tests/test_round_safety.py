@@ -21,6 +21,7 @@ from hf_acco import ACCOOptimizer
 from hf_acco.comm import Communicator
 from hf_acco.multiprocess import run_ranks
 
+from .helpers import clones
 from .models import batch, decay_groups, mean_loss, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +33,6 @@ def _steps(model, opt, rank: int, start: int, count: int) -> None:
             mean_loss(model, batch(rank, 2 * t + i))[0].backward()
             opt.after_backward()
         opt.step()
-
-
-def _params(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 class LateRank1(Communicator):
@@ -52,7 +49,7 @@ def _load_with_a_round_in_flight(rank: int, world_size: int) -> bool:
     opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=2, lr=1e-3, communicator=LateRank1())
     _steps(model, opt, rank, 0, 4)
     with opt.committed_parameters():
-        straight = _params(model)
+        straight = clones(model)
     opt.close()
     model = tiny_llama()
     opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=2, lr=1e-3, communicator=LateRank1())
@@ -62,7 +59,7 @@ def _load_with_a_round_in_flight(rank: int, world_size: int) -> bool:
     opt.load_state_dict(saved)  # the commit round of step 4 is in flight, and on rank 1 it has not started yet
     _steps(model, opt, rank, 2, 2)
     with opt.committed_parameters():
-        resumed = _params(model)
+        resumed = clones(model)
     opt.close()
     return all(torch.equal(a, b) for a, b in zip(straight, resumed))
 

@@ -12,6 +12,7 @@ from hf_acco.comm import DelayedCommunicator
 from hf_acco.halves import round_ends_soon
 from hf_acco.multiprocess import run_ranks
 
+from .helpers import clones
 from .models import batch, decay_groups, mean_loss, tiny_llama, token_sum_loss
 from .reference import Reference, relative_error, run_acco, run_dpu, run_sync
 
@@ -21,10 +22,6 @@ HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 WD = 0.1
 CLIP = 0.6  # clipping active in some steps and not in others (both paths)
 LOSSES = {"mean": mean_loss, "tokens": token_sum_loss}
-
-
-def _params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def train_fixed(
@@ -54,7 +51,7 @@ def train_fixed(
         assert opt.ready_to_step()
         opt.step()
         with opt.committed_parameters():  # waits for the commit round: timing changes, values do not
-            history.append(_params(model))
+            history.append(clones(model))
         norms.append(opt.last_commit.grad_norm)
     opt.close()
     return {"history": history, "norms": norms}
@@ -163,7 +160,7 @@ def train_ddp(rank: int, world_size: int) -> list[torch.Tensor]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-    return _params(model)
+    return clones(model)
 
 
 def test_sync_matches_ddp() -> None:
@@ -202,7 +199,7 @@ def train_dynamic(
         opt.step()
         plan.append((halves[Phase.ESTIMATE], halves[Phase.CORRECTION]))
     with opt.committed_parameters():
-        final = _params(model)
+        final = clones(model)
     opt.close()
     return {"plan": plan, "final": final, "last_global": opt.last_commit.micro_batches}
 
@@ -238,7 +235,7 @@ def test_dynamic_slow_rank_matches_reference_of_actual_assignment(schedule: str,
 
 def train_lr_zero(rank: int, world_size: int) -> bool:
     model = tiny_llama()
-    before = _params(model)
+    before = clones(model)
     opt = ACCOOptimizer(model.parameters(), lr=0.0, micro_batches=2)
     for i in range(6):
         mean_loss(model, batch(rank, i))[0].backward()
@@ -246,7 +243,7 @@ def train_lr_zero(rank: int, world_size: int) -> bool:
         if opt.ready_to_step():
             opt.step()
     with opt.committed_parameters():
-        after = _params(model)
+        after = clones(model)
     opt.close()
     return all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -274,7 +271,7 @@ def train_unequal_data(rank: int, world_size: int, schedule: str, micro_batches:
             opt.step()
     opt.finalize()  # rank 0 gets here first and takes part in empty rounds until rank 1 is done
     total = opt.totals["micro_batches"]
-    params = _params(model)
+    params = clones(model)
     opt.close()
     return {"params": params, "local_total": total, "steps": opt.step_count}
 
@@ -343,7 +340,7 @@ def _train_with_drifted_hparams(rank: int, world_size: int, drift: bool) -> list
             opt.after_backward()
         opt.step()
     with opt.committed_parameters():
-        out = _params(model)
+        out = clones(model)
     opt.close()
     return out
 
