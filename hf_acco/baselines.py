@@ -3,6 +3,7 @@ compression hook where DDP refuses it, and a check that the baseline did train u
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -20,6 +21,14 @@ def bf16_wire_hook(process_group, bucket):  # noqa: ANN001, ANN201 - DDP checks 
         return bucket.buffer().copy_(done.value()[0])
 
     return future.then(decompress)
+
+
+def baseline_arguments(args: Any, config_cls: type) -> Any:
+    """The DDP baseline's config: every field of ``args`` but the ``acco_*`` ones, as a ``config_cls``
+    (TrainingArguments, or TRL's config). Copied field by field: ``to_dict()`` masks every ``*_token`` field,
+    ``eos_token`` included."""
+    fields = dataclasses.fields(args)
+    return config_cls(**{f.name: getattr(args, f.name) for f in fields if f.init and not f.name.startswith("acco_")})
 
 
 def check_ddp_wrapped(trainer: Any) -> None:

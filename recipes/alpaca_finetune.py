@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -53,7 +54,7 @@ from hf_acco.alpaca import (
     normalise,
     tokenize_example,
 )
-from hf_acco.baselines import check_ddp_wrapped
+from hf_acco.baselines import baseline_arguments, check_ddp_wrapped
 
 # Defaults for the offline main job; anything given on the command line comes after them and wins.
 DEFAULT_TRAINING_ARGS = [
@@ -172,23 +173,26 @@ def save_loss_curve(log_history: list[dict], path: Path) -> None:
     plt.close()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = DEFAULT_TRAINING_ARGS + list(sys.argv[1:] if argv is None else argv)
+def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, Any, type]:
+    """(script arguments, the method's training arguments, its trainer class) from the command line after the
+    defaults. With --trl, TRL's config (and its defaults); its own max_length is the one --max_length sets."""
+    argv = DEFAULT_TRAINING_ARGS + argv
     trl = "--trl" in argv
-    # With --trl, TRL's config (and its defaults); its own max_length is the one --max_length sets
     script_cls = _without(ScriptArguments, "max_length") if trl else ScriptArguments
     parser = HfArgumentParser((script_cls, trainer_classes("acco", trl)[1]))
     script_args, training_args = parser.parse_args_into_dataclasses(argv)
     if trl:
         script_args.max_length = training_args.max_length
     trainer_cls, config_cls = trainer_classes(script_args.method, script_args.trl)
-    if script_args.method == "ddp":  # the baseline: the same arguments without the acco_ ones (not to_dict(),
-        # which masks every *_token field, eos_token included)
-        fields = dataclasses.fields(training_args)
-        plain = {f.name: getattr(training_args, f.name) for f in fields if f.init and not f.name.startswith("acco_")}
-        training_args = config_cls(**plain)
+    if script_args.method == "ddp":  # the baseline: the same arguments without the acco_ ones
+        training_args = baseline_arguments(training_args, config_cls)
     else:
         training_args.acco_schedule = script_args.method
+    return script_args, training_args, trainer_cls
+
+
+def main(argv: list[str] | None = None) -> dict:
+    script_args, training_args, trainer_cls = parse_arguments(list(sys.argv[1:] if argv is None else argv))
 
     # 1. data: records, a held-out split
     records, checkable = load_data(script_args)
@@ -238,8 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         metrics["exact_match_after"] = exact_match(trainer, tokenizer, heldout)
     metrics["steps"] = trainer.state.global_step
     # 5. save: model or adapter (committed parameters), tokenizer, metrics, loss curve
-    output_dir = Path(training_args.output_dir)
-    trainer.save_model(str(output_dir))
+    trainer.save_model(str(output_dir := Path(training_args.output_dir)))
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(output_dir)
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -15,7 +15,6 @@ lambada_*) and the model. Every method sees the same data in the same order for 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -23,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -39,7 +39,7 @@ from transformers import (
 )
 
 from hf_acco import ACCOConfig, ACCOTrainer
-from hf_acco.baselines import bf16_wire_hook, check_ddp_wrapped
+from hf_acco.baselines import baseline_arguments, bf16_wire_hook, check_ddp_wrapped
 from hf_acco.lambada import encode_pair, load_jsonl_texts, score, split_context_target
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -167,21 +167,9 @@ class BF16WireHook(TrainerCallback):
             self.registered = True
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = DEFAULT_TRAINING_ARGS + list(sys.argv[1:] if argv is None else argv)
-    script_args, training_args = HfArgumentParser((ScriptArguments, ACCOConfig)).parse_args_into_dataclasses(argv)
-    if script_args.method == "ddp":
-        fields = dataclasses.fields(training_args)  # not to_dict(), which masks every *_token field
-        plain = {f.name: getattr(training_args, f.name) for f in fields if f.init and not f.name.startswith("acco_")}
-        training_args, trainer_cls = TrainingArguments(**plain), Trainer
-    else:
-        training_args.acco_schedule, trainer_cls = script_args.method, ACCOTrainer
-
-    # 1. data: the corpus as blocks of tokens, the last 5 % held out
-    tokenizer = load_tokenizer(script_args.tokenizer_name_or_path)
-    train_ds, val_ds, corpus_tokens = blocks(script_args.text_path, tokenizer, script_args.block_size)
-    # 2. the model, from a config and the run's seed
-    torch.manual_seed(training_args.seed)
+def build_model(script_args: ScriptArguments, tokenizer: Any, seed: int) -> GPTNeoXForCausalLM:
+    """A GPT-NeoX of the script's size, initialised from ``seed`` (rank 1 slowed down if asked)."""
+    torch.manual_seed(seed)
     config = GPTNeoXConfig(
         vocab_size=len(tokenizer), hidden_size=script_args.hidden_size, num_hidden_layers=script_args.num_layers,
         num_attention_heads=script_args.num_heads, intermediate_size=4 * script_args.hidden_size,
@@ -190,6 +178,22 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     model = GPTNeoXForCausalLM(config)
     slow_down_rank_1(model, script_args.slow_rank_delay)
+    return model
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = DEFAULT_TRAINING_ARGS + list(sys.argv[1:] if argv is None else argv)
+    script_args, training_args = HfArgumentParser((ScriptArguments, ACCOConfig)).parse_args_into_dataclasses(argv)
+    if script_args.method == "ddp":
+        training_args, trainer_cls = baseline_arguments(training_args, TrainingArguments), Trainer
+    else:
+        training_args.acco_schedule, trainer_cls = script_args.method, ACCOTrainer
+
+    # 1. data: the corpus as blocks of tokens, the last 5 % held out
+    tokenizer = load_tokenizer(script_args.tokenizer_name_or_path)
+    train_ds, val_ds, corpus_tokens = blocks(script_args.text_path, tokenizer, script_args.block_size)
+    # 2. the model, from a config and the run's seed
+    model = build_model(script_args, tokenizer, training_args.seed)
     # 3. train, evaluating the held-out loss every eval_steps
     trainer = trainer_cls(model=model, args=training_args, train_dataset=train_ds, eval_dataset=val_ds,
                           data_collator=default_data_collator, callbacks=[clock := TrainingClock()])  # fmt: skip

@@ -55,7 +55,7 @@ def evaluate(model, data: torch.Tensor, seq: int, n: int = 16) -> float:
     return loss
 
 
-def main(argv: list[str] | None = None) -> dict:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedule", choices=["acco", "dpu", "sync"], default="acco")
     parser.add_argument("--accumulation", choices=["fixed", "dynamic"], default="fixed")
@@ -66,13 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--output_dir", type=Path, default=Path("outputs/train_tiny"))
-    args = parser.parse_args(argv)
+    return parser
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU") == "1")
-    check_world_size(accelerator.num_processes)  # fails loudly if the launch started a different number of ranks
-    torch.manual_seed(0)
-    data = torch.tensor(list(load_text(args.text).encode("utf-8")), dtype=torch.long)
-    train, held_out = data[: int(0.95 * len(data))], data[int(0.95 * len(data)) :]
+
+def build(args: argparse.Namespace, device: torch.device) -> tuple[LlamaForCausalLM, ACCOOptimizer]:
+    """A 2-layer byte-level Llama and its ACCO optimizer (weight decay on the matrices only)."""
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=128,
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
         num_key_value_heads=4,
         max_position_embeddings=args.seq_len,
     )
-    model = LlamaForCausalLM(config).to(accelerator.device)
+    model = LlamaForCausalLM(config).to(device)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = ACCOOptimizer(
@@ -93,6 +91,17 @@ def main(argv: list[str] | None = None) -> dict:
         micro_batches=args.micro_batches,
         max_grad_norm=1.0,
     )
+    return model, optimizer
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU") == "1")
+    check_world_size(accelerator.num_processes)  # fails loudly if the launch started a different number of ranks
+    torch.manual_seed(0)
+    data = torch.tensor(list(load_text(args.text).encode("utf-8")), dtype=torch.long)
+    train, held_out = data[: int(0.95 * len(data))], data[int(0.95 * len(data)) :]
+    model, optimizer = build(args, accelerator.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     loss_before = evaluate(model, held_out, args.seq_len)
 
