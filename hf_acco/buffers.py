@@ -31,6 +31,7 @@ import torch
 
 from .sharding import FlatLayout
 
+WIRE_DTYPES = ("auto", "fp32", "bf16")  # the settings' spellings (comm_dtype); grad_dtype takes the last two
 COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 

@@ -15,7 +15,10 @@ from accelerate import PartialState
 from accelerate.utils import str_to_bool
 from transformers import TrainingArguments
 
-from .schedule import validate_settings
+from .buffers import WIRE_DTYPES
+from .comm import REDUCE_SCATTER_SPELLINGS
+from .rounds import NONFINITE_POLICIES
+from .schedule import SCHEDULES, Accumulation, validate_settings
 from .versions import warn_if_untested
 
 warn_if_untested("transformers")
@@ -35,11 +38,16 @@ def splits_batches(args: TrainingArguments) -> bool:
     return fixed_acco and args.gradient_accumulation_steps == 1
 
 
+# Trainer's accumulation settings: the engine's fixed and paced, and "dynamic", paced's alias under Trainer (the
+# engine's own dynamic mode, round-timed halves, is for hand-written loops)
+TRAINER_ACCUMULATIONS = (Accumulation.FIXED.value, Accumulation.PACED.value, "dynamic")
+
+
 def engine_accumulation(args: TrainingArguments) -> str:
     """The engine's accumulation mode: ``acco_accumulation="dynamic"`` under Trainer is paced (pacing.py): each
     step is one global batch of ``world_size x gradient_accumulation_steps`` micro-batches claimed by the ranks at
     their own pace."""
-    return "paced" if acco_setting(args, "acco_accumulation") in ("paced", "dynamic") else "fixed"
+    return "paced" if acco_setting(args, "acco_accumulation") in TRAINER_ACCUMULATIONS[1:] else "fixed"
 
 
 def engine_micro_batches(args: TrainingArguments) -> int:
@@ -86,7 +94,7 @@ class ACCOConfigMixin(_ArgsBase):
                 "where communication is cheap). dpu: a one-step delayed update (hides communication, converges "
                 "worse)."
             ),
-            "choices": ["acco", "dpu", "sync"],
+            "choices": list(SCHEDULES),
         },
     )
     acco_accumulation: str = field(
@@ -98,7 +106,7 @@ class ACCOConfigMixin(_ArgsBase):
                 "gradient_accumulation_steps micro-batches per step, each rank computing as many of them as its "
                 "speed allows (every sample once per epoch)."
             ),
-            "choices": ["fixed", "paced", "dynamic"],
+            "choices": [*TRAINER_ACCUMULATIONS],
         },
     )
     acco_min_micro_batches: int | None = field(
@@ -125,7 +133,7 @@ class ACCOConfigMixin(_ArgsBase):
                 "How the gradients' reduce-scatter is spelled: auto (all-to-all on gloo, native on NCCL), native "
                 "or all_to_all. Leave it on auto."
             ),
-            "choices": ["auto", "native", "all_to_all"],
+            "choices": list(REDUCE_SCATTER_SPELLINGS),
         },
     )
     acco_bucket_numel: int | None = field(
@@ -144,7 +152,7 @@ class ACCOConfigMixin(_ArgsBase):
                 "An inf/NaN in the averaged gradient (every rank sees the same norm): skip the step on every rank "
                 "(counted as acco_skipped_steps), or error: stop."
             ),
-            "choices": ["skip", "error"],
+            "choices": list(NONFINITE_POLICIES),
         },
     )
     acco_comm_timeout_s: float = field(
@@ -163,7 +171,7 @@ class ACCOConfigMixin(_ArgsBase):
                 "Gradients on the wire: auto (the model's dtype, as DDP does: bf16 for a bf16 model), fp32 "
                 "(exact; more bytes and a larger round buffer) or bf16. Parameters travel in the model's dtype."
             ),
-            "choices": ["auto", "fp32", "bf16"],
+            "choices": list(WIRE_DTYPES),
         },
     )
     acco_allow_custom_optimizer: bool = field(
@@ -182,7 +190,7 @@ class ACCOConfigMixin(_ArgsBase):
                 "Gradient accumulation: fp32, or bf16 to halve the accumulation buffer of the largest bf16 models "
                 "(needs bf16 on the wire; each micro-batch's gradient rounded as it is added)."
             ),
-            "choices": ["fp32", "bf16"],
+            "choices": list(WIRE_DTYPES[1:]),
         },
     )
 
@@ -190,7 +198,7 @@ class ACCOConfigMixin(_ArgsBase):
         check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
         super().__post_init__()
         check_halves(self)
-        if self.acco_accumulation not in ("fixed", "paced", "dynamic"):
+        if self.acco_accumulation not in TRAINER_ACCUMULATIONS:
             raise ValueError(
                 f"acco_accumulation must be 'fixed' or 'paced' ('dynamic'), got {self.acco_accumulation!r}"
             )

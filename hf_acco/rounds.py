@@ -88,8 +88,11 @@ def narrow_own_pieces(layout: FlatLayout, src: torch.Tensor, flat: torch.Tensor,
         dest.copy_(source.clone() if overlaps(dest, source) else source)
 
 
+NONFINITE_POLICIES = ("skip", "error")
+
+
 def check_nonfinite(nonfinite: str) -> None:
-    if nonfinite not in ("skip", "error"):
+    if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be 'skip' or 'error', got {nonfinite!r}")
 
 

@@ -24,6 +24,9 @@ class Schedule(str, Enum):
     SYNC = "sync"  # ZeRO-1, round waited for at once
 
 
+SCHEDULES = tuple(s.value for s in Schedule)
+
+
 class Accumulation(str, Enum):
     FIXED = "fixed"  # a set number of micro-batches per half per rank
     DYNAMIC = "dynamic"  # each rank computes until the round in flight has finished
