@@ -54,7 +54,8 @@ def _write(path: str, obj: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,7 +80,7 @@ def run_ranks(
     ctx: Any = mp.get_context(start_method)  # fork or spawn (the base type declares no Process)
     if backend is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from hf_acco.multiprocess import free_port
 from hf_acco.sharding import FlatLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +65,6 @@ def accelerate_launch(
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert done.returncode == 0, out[-3000:] + err[-3000:]
     return done
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,20 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_acco.multiprocess import free_port
+
 SCRIPT = Path(__file__).parent / "scripts" / "trainer_script.py"
 CAN_MOUNT = sys.platform == "linux" and os.geteuid() == 0 and shutil.which("unshare") is not None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(out: Path, args: list[str], private: list[Path] | None = None, timeout: float = 300) -> list[int]:
     """Both machines' `accelerate launch`, side by side; their exit codes. ``private``: each machine sees its own
     directory at ``out`` (bind-mounted in a mount namespace of its own)."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     out.mkdir(parents=True, exist_ok=True)
     for machine in range(2):
         machines = ["--multi_gpu", "--num_machines", "2", "--machine_rank", str(machine), "--num_processes", "4"]
@@ -103,7 +98,7 @@ def test_two_machines_with_private_directories_resume_after_a_preemption(tmp_pat
 @pytest.mark.slow
 def test_two_nodes_launched_with_torchrun_train_as_one_job(tmp_path: Path, expected) -> None:
     """torchrun's own multi-node launch (--nnodes 2 --node_rank R, its static rendezvous at the master address)."""
-    port, procs, out = _free_port(), [], tmp_path / "out"
+    port, procs, out = free_port(), [], tmp_path / "out"
     for node in range(2):
         nodes = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2"]
         rendezvous = ["--master_addr", "127.0.0.1", "--master_port", str(port)]

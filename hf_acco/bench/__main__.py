@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from hf_acco.multiprocess import free_port
 
 from . import report
 from .link import MTU, Link, unavailable
@@ -102,12 +103,6 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_setting(label: str, link: Link | None, spec: dict[str, Any], workdir: Path, timeout_s: int) -> list[dict]:
     """Start every rank (each in its namespace), stream rank 0's progress, return every rank's log."""
     world_size = link.world_size if link is not None else spec.get("world_size", 2)
@@ -115,7 +110,7 @@ def run_setting(label: str, link: Link | None, spec: dict[str, Any], workdir: Pa
     spec_path = workdir / f"{label}.spec.json"
     spec_path.write_text(json.dumps(spec))
     procs, outs = [], []
-    port = 29600 if link is not None else _free_port()
+    port = 29600 if link is not None else free_port()
     for rank in range(world_size):
         out = workdir / f"{label}.rank{rank}.json"
         out.unlink(missing_ok=True)
