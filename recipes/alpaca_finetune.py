@@ -55,6 +55,7 @@ from hf_acco.alpaca import (
     tokenize_example,
 )
 from hf_acco.baselines import baseline_arguments, check_ddp_wrapped
+from hf_acco.distributed import end_training
 
 # Defaults for the offline main job; anything given on the command line comes after them and wins.
 DEFAULT_TRAINING_ARGS = [
@@ -248,8 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         save_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png")
         print(json.dumps(metrics, indent=2))
-    trainer.accelerator.wait_for_everyone()  # ranks leave together, and tear the process groups down in order
-    trainer.accelerator.end_training()
+    end_training(trainer.accelerator, trainer)  # ranks leave together; DDP's wrapper goes before the process groups
     return metrics
 
 

@@ -40,6 +40,7 @@ from transformers import (
 
 from hf_acco import ACCOConfig, ACCOTrainer
 from hf_acco.baselines import baseline_arguments, bf16_wire_hook, check_ddp_wrapped
+from hf_acco.distributed import end_training
 from hf_acco.lambada import encode_pair, load_jsonl_texts, score, split_context_target
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -235,8 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer.save_pretrained(output_dir)
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         print(json.dumps({k: v for k, v in metrics.items() if k != "train_losses"}, indent=2))
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    end_training(trainer.accelerator, trainer)  # ranks leave together; DDP's wrapper goes before the process groups
     return metrics
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +53,7 @@ def accelerate_launch(
     except subprocess.TimeoutExpired:
         # torchrun starts each rank in a session of its own: signal the launcher's whole tree, ranks first
         tree = [*descendants(proc.pid), proc.pid]
+        native = "\n".join(native_stacks(pid) for pid in tree)  # where C++ waits (a destructor, a lock, the GIL)
         for pid in tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
@@ -60,7 +63,7 @@ def accelerate_launch(
                 os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(
-            f"`{' '.join(cmd)}` still ran after {timeout:.0f} s; its stacks:\n{err[-12000:]}"
+            f"`{' '.join(cmd)}` still ran after {timeout:.0f} s; its stacks:\n{err[-12000:]}\n{native[-12000:]}"
         ) from None
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert done.returncode == 0, out[-3000:] + err[-3000:]
@@ -113,3 +116,28 @@ class FakeComm:
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
         self.calls.append("all_gather")  # one rank: its pieces are already in place
+
+
+def native_stacks(pid: int) -> str:
+    """Each thread's C/C++ stack of a living process, function names only (gdb, where the machine has it and may
+    attach): what faulthandler cannot show, such as a destructor waiting on a thread that waits for the GIL."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return f"[process {pid}: no gdb on this machine for its native stacks]"
+    try:
+        text = subprocess.run(
+            [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 16"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except subprocess.TimeoutExpired:
+        return f"[process {pid}: gdb did not answer in 20 s]"
+    frame = re.compile(r"^(#\d+)\s+(?:0x[0-9a-f]+ in )?([^ (]+)")
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("Thread "):
+            lines.append(line)
+        elif m := frame.match(line):
+            lines.append(f"  {m.group(1)} {m.group(2)}")
+    return f"[process {pid}: native stacks]\n" + "\n".join(lines)
