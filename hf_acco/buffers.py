@@ -31,8 +31,9 @@ import torch
 
 from .sharding import FlatLayout
 
-WIRE_DTYPES = ("auto", "fp32", "bf16")  # the settings' spellings (comm_dtype); grad_dtype takes the last two
+WIRE_DTYPES = ("auto", "fp32", "bf16", "int8")  # the settings' spellings (comm_dtype); grad_dtype: fp32, bf16
 COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+QUANTIZED = {"int8": torch.int8}  # quantised on the wire by the round (quant.py), from the sums' dtype
 
 
 def parse_comm_dtype(
@@ -48,6 +49,19 @@ def parse_comm_dtype(
     if value == "auto" and params:  # fp16 has no loss scaling here: its gradients go in fp32
         return torch.bfloat16 if model_dtype(params) == torch.bfloat16 else torch.float32
     raise ValueError(f"{what} must be 'auto', 'fp32' or 'bf16', got {value!r}")
+
+
+def parse_wire(
+    value: str | torch.dtype, params: Sequence[torch.Tensor], sums: torch.dtype
+) -> tuple[torch.dtype, bool]:
+    """The engine's ``comm_dtype``: (the dtype of the gradient sums a round is handed, whether the round quantises
+    them to int8 on the wire). ``"int8"`` hands the round the sums as they accumulated (``sums``)."""
+    if (isinstance(value, str) and value in QUANTIZED) or value in QUANTIZED.values():
+        return sums, True
+    try:
+        return parse_comm_dtype(value, params=params), False
+    except ValueError:
+        raise ValueError(f"comm_dtype must be one of {', '.join(WIRE_DTYPES)}, got {value!r}") from None
 
 
 ACCUM_DTYPE = torch.float32  # gradients accumulate in fp32 by default

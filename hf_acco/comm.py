@@ -12,6 +12,9 @@ Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
 * ``gloo``: ``all_to_all_single`` of each bucket and a local sum. gloo's reduce-scatter is an all-reduce
   underneath, so the native call plus the all-gather moves ~1.5x the bytes of one all-reduce; the all-to-all
   spelling moves (N-1)/N of the buffer, and with the all-gather a round moves what one all-reduce moves.
+
+With ``quantized_gradients`` (int8 on the wire, ``quant.py``) every backend uses the all-to-all: each rank's chunks
+are quantised blockwise before they leave, and the owner sums the chunks it receives in fp32.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import quant
 from .sharding import FlatLayout
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -171,6 +175,7 @@ class Communicator:
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
         self.max_inflight = max(1, max_inflight)
+        self.quantized_gradients = False  # int8 gradients on the wire (the engine sets it from its comm_dtype)
         self.in_round = False  # a round of this communicator is running (on the background thread)
 
     def _make_groups(self, backend: str) -> None:
@@ -298,6 +303,9 @@ class Communicator:
             if own.data_ptr() != rows.data_ptr() or own.dtype != rows.dtype:
                 rows.copy_(own)
             return
+        if self.quantized_gradients:
+            self._int8_reduce_scatter(layout, flat, rows)
+            return
         if self.reduce_scatter_spelling == "native":
             self._native_reduce_scatter(layout, flat, rows)
             return
@@ -327,6 +335,28 @@ class Communicator:
         if flat.dtype != rows.dtype:  # after every bucket is reduced; no row overlaps this rank's pieces
             for row, out in zip(rows, outs):
                 row.copy_(out)
+
+    def _int8_reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, rows: torch.Tensor) -> None:
+        """The all-to-all spelling with each chunk quantised blockwise to int8 before it leaves (quant.py, about a
+        quarter of fp32's bytes): the owner dequantises the world_size chunks it receives and sums them in fp32, in
+        rank order. Bucket b is packed before its row of ``rows`` is written, as in the fp32 spelling."""
+        pending: list[tuple[int, torch.Tensor, dist.Work, torch.Tensor]] = []
+        for b in range(layout.num_buckets):
+            if len(pending) >= self.max_inflight:
+                self._sum_unpacked(layout, rows, *pending.pop(0))
+            send = quant.pack(layout.bucket(flat, b).view(layout.world_size, layout.chunk))
+            recv = torch.empty_like(send)
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            pending.append((b, recv, work, send))  # ``send`` outlives the collective that reads it
+        for item in pending:
+            self._sum_unpacked(layout, rows, *item)
+
+    @staticmethod
+    def _sum_unpacked(
+        layout: FlatLayout, rows: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work, _send: torch.Tensor
+    ) -> None:
+        work.wait()
+        quant.unpack_sum(recv, layout.chunk, rows[b])
 
     @staticmethod
     def _sum_received(layout: FlatLayout, rows: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work) -> None:

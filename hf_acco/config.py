@@ -169,7 +169,9 @@ class ACCOConfigMixin(_ArgsBase):
         metadata={
             "help": (
                 "Gradients on the wire: auto (the model's dtype, as DDP does: bf16 for a bf16 model), fp32 "
-                "(exact; more bytes and a larger round buffer) or bf16. Parameters travel in the model's dtype."
+                "(exact; more bytes and a larger round buffer), bf16, or int8 for slow links (a quarter of fp32's "
+                "bytes: blockwise, a scale per 256 elements, summed in fp32 by the owner; new: compare its loss with "
+                "bf16's on a short run first). Parameters travel in the model's dtype."
             ),
             "choices": list(WIRE_DTYPES),
         },
@@ -222,8 +224,8 @@ class ACCOConfigMixin(_ArgsBase):
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:
             raise ValueError(f"acco_comm_timeout_s must be > 0, got {self.acco_comm_timeout_s}")
-        if self.acco_comm_dtype not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"acco_comm_dtype must be 'auto', 'fp32' or 'bf16', got {self.acco_comm_dtype!r}")
+        if self.acco_comm_dtype not in WIRE_DTYPES:
+            raise ValueError(f"acco_comm_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.acco_comm_dtype!r}")
         if self.acco_grad_dtype not in ("fp32", "bf16"):
             raise ValueError(f"acco_grad_dtype must be 'fp32' or 'bf16', got {self.acco_grad_dtype!r}")
         if self.acco_grad_dtype == "bf16" and self.acco_comm_dtype == "fp32":

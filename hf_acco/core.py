@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype
+from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
 from .comm import Communicator, warn_if_one_hardware_queue
 from .halves import halves_for, round_ends_soon
 from .inflight import RoundInFlight
@@ -112,7 +112,9 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         comm_dtype (`str`, defaults to `"auto"`): the gradients' dtype on the wire: ``"auto"`` (the model's: bf16 for
             a bf16 model, as DDP), ``"fp32"`` or ``"bf16"`` (each
             rank's fp32 sums rounded once to bf16, summed in fp32 where the backend allows: gloo's all-to-all; NCCL
-            sums in bf16). Parameters are all-gathered in the model's dtype either way.
+            sums in bf16), or ``"int8"``: each rank's sums quantised blockwise (a float32 scale per 256 elements,
+            ``quant.py``) and sent by all-to-all on every backend, the owner summing them in fp32: about a quarter
+            of fp32's bytes. Parameters are all-gathered in the model's dtype either way.
         grad_dtype (`str`, defaults to `"fp32"`): the dtype gradients accumulate in. ``"bf16"`` (for bf16 models
             with ``comm_dtype="bf16"``, as the authors' release did for the largest models) halves the accumulation
             buffer; each backward's gradient is rounded as it is added.
@@ -151,9 +153,10 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
         self._params = [p for _, p, _ in named]
-        wire = parse_comm_dtype(comm_dtype, params=self._params)
+        wire, quantized = parse_wire(comm_dtype, self._params, sums)
         check_grad_dtype(sums, wire, model_dtype(self._params))  # before the first collective, as above
         self.comm = communicator if communicator is not None else Communicator(group)
+        self.comm.quantized_gradients = quantized
         self.layout = FlatLayout(
             self._params, [n for n, _, _ in named], [g for _, _, g in named], self.comm.world_size, bucket_numel,
             backend=self.comm.backend,
