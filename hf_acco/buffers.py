@@ -33,7 +33,7 @@ from .sharding import FlatLayout
 
 WIRE_DTYPES = ("auto", "fp32", "bf16", "int8")  # the settings' spellings (comm_dtype); grad_dtype: fp32, bf16
 COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-QUANTIZED = {"int8": torch.int8}  # quantised on the wire by the round (quant.py), from the sums' dtype
+QUANTIZED = {"int8": torch.int8}  # packed on the wire by the round (quant.py), from the sums "auto" sends
 
 
 def parse_comm_dtype(
@@ -51,13 +51,12 @@ def parse_comm_dtype(
     raise ValueError(f"{what} must be 'auto', 'fp32' or 'bf16', got {value!r}")
 
 
-def parse_wire(
-    value: str | torch.dtype, params: Sequence[torch.Tensor], sums: torch.dtype
-) -> tuple[torch.dtype, bool]:
+def parse_wire(value: str | torch.dtype, params: Sequence[torch.Tensor]) -> tuple[torch.dtype, bool]:
     """The engine's ``comm_dtype``: (the dtype of the gradient sums a round is handed, whether the round quantises
-    them to int8 on the wire). ``"int8"`` hands the round the sums as they accumulated (``sums``)."""
+    them to int8 on the wire). ``"int8"`` hands the round the sums in the dtype ``"auto"`` would send (a bf16
+    model's round buffer stays bf16), then packs them (quant.py)."""
     if (isinstance(value, str) and value in QUANTIZED) or value in QUANTIZED.values():
-        return sums, True
+        return parse_comm_dtype("auto", params=params), True
     try:
         return parse_comm_dtype(value, params=params), False
     except ValueError:

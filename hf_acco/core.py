@@ -112,9 +112,9 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         comm_dtype (`str`, defaults to `"auto"`): the gradients' dtype on the wire: ``"auto"`` (the model's: bf16 for
             a bf16 model, as DDP), ``"fp32"`` or ``"bf16"`` (each
             rank's fp32 sums rounded once to bf16, summed in fp32 where the backend allows: gloo's all-to-all; NCCL
-            sums in bf16), or ``"int8"``: each rank's sums quantised blockwise (a float32 scale per 256 elements,
-            ``quant.py``) and sent by all-to-all on every backend, the owner summing them in fp32: about a quarter
-            of fp32's bytes. Parameters are all-gathered in the model's dtype either way.
+            sums in bf16), or ``"int8"``: each rank's sums (in the dtype ``"auto"`` sends) quantised blockwise (a
+            float32 scale per 256 elements, ``quant.py``) and sent by all-to-all on every backend, the owner summing
+            them in fp32: about a quarter of fp32's bytes. Parameters are all-gathered in the model's dtype either way.
         grad_dtype (`str`, defaults to `"fp32"`): the dtype gradients accumulate in. ``"bf16"`` (for bf16 models
             with ``comm_dtype="bf16"``, as the authors' release did for the largest models) halves the accumulation
             buffer; each backward's gradient is rounded as it is added.
@@ -153,7 +153,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
         self._params = [p for _, p, _ in named]
-        wire, quantized = parse_wire(comm_dtype, self._params, sums)
+        wire, quantized = parse_wire(comm_dtype, self._params)
         check_grad_dtype(sums, wire, model_dtype(self._params))  # before the first collective, as above
         self.comm = communicator if communicator is not None else Communicator(group)
         self.comm.quantized_gradients = quantized

@@ -1,6 +1,6 @@
 """Bytes per rank of every buffer the engine holds, next to DDP, ZeRO-1 and ZeRO-2 for the same model.
 
-    python -m hf_acco.memory --params 7e9 --world_size 8 --param_dtype bf16 [--comm_dtype auto|fp32|bf16]
+    python -m hf_acco.memory --params 7e9 --world_size 8 --param_dtype bf16 [--comm_dtype auto|fp32|bf16|int8]
                              [--grad_dtype fp32|bf16] [--optimizer fused|foreach] [--gpus_per_node 8] [--json]
 
 Units: GB = 10^9 bytes, with GiB (2^30 bytes) beside it. An "80 GB" GPU holds 80 GiB (85.9 GB), less what the CUDA
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import quant
 from .buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
 from .optim import estimate_window
 from .sharding import FlatLayout
@@ -98,9 +99,10 @@ def engine_memory(
     optimizer: str = "fused",
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
+    quantized = comm_dtype == "int8"  # the round is handed the sums "auto" sends (the model's dtype), packs them
     if isinstance(comm_dtype, str):
-        if comm_dtype != "auto":
-            raise ValueError(f"comm_dtype is a torch dtype or 'auto' (the model's), got {comm_dtype!r}")
+        if comm_dtype not in ("auto", "int8"):
+            raise ValueError(f"comm_dtype is a torch dtype, 'auto' (the model's) or 'int8', got {comm_dtype!r}")
         comm_dtype = param_dtype
     layout = FlatLayout([torch.empty(numel, device="meta")], ["all"], [0], world_size, bucket_numel, backend)
     full, shard = layout.padded_numel, layout.shard_numel
@@ -135,7 +137,15 @@ def engine_memory(
         "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
         + shard * param_dtype.itemsize,
     }
-    if backend == "gloo":
+    if quantized:  # every backend: the all-to-all of packed chunks (comm.py, quant.py)
+        inflight = min(max_inflight, layout.num_buckets)
+        packed = quant.packed_numel(layout.chunk) * world_size  # one bucket, int8 values and their scales
+        # at once: the send and receive buffers of the buckets in flight, and one chunk's fp32 temporaries
+        # (quantising a row: the scaled product, and an fp32 or padded copy of bf16 sums; dequantising: one)
+        round_pool["round: int8 reduce-scatter (packed buckets in flight, fp32 temporaries)"] = (
+            2 * inflight * packed + 2 * quant.num_blocks(layout.chunk) * quant.BLOCK * fp32
+        )
+    elif backend == "gloo":
         wire = comm_dtype.itemsize
         round_pool["round: all-to-all receive buffers"] = (
             min(max_inflight, layout.num_buckets) * layout.bucket_size * wire
@@ -150,7 +160,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         opt.layout.numel,
         opt.layout.world_size,
         param_dtype=opt.buffers.param_dtype,
-        comm_dtype=opt.buffers.comm_dtype,
+        comm_dtype="int8" if opt.comm.quantized_gradients else opt.buffers.comm_dtype,
         grad_dtype=opt.buffers.accum.dtype,
         schedule=opt.schedule.value,
         backend=opt.comm.backend,
@@ -206,7 +216,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--param_dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument(
         "--comm_dtype",
-        choices=["auto", *sorted(DTYPES)],
+        choices=["auto", *sorted(DTYPES), "int8"],
         default="auto",
         help="gradients on the wire (auto: the model's)",
     )
@@ -223,22 +233,23 @@ def main(argv: list[str] | None = None) -> None:
     p = make_parser()
     args = p.parse_args(argv)
     numel, param, grad = int(args.params), DTYPES[args.param_dtype], DTYPES[args.grad_dtype]
-    comm = param if args.comm_dtype == "auto" else DTYPES[args.comm_dtype]
+    sent = param if args.comm_dtype in ("auto", "int8") else DTYPES[args.comm_dtype]  # int8 packs what auto sends
+    wire: torch.dtype | str = "int8" if args.comm_dtype == "int8" else sent
     try:
-        check_grad_dtype(grad, comm, param)
+        check_grad_dtype(grad, sent, param)
     except ValueError as e:
         p.error(str(e))
     report = engine_memory(
-        numel, args.world_size, param_dtype=param, comm_dtype=comm, grad_dtype=grad, schedule=args.schedule,
+        numel, args.world_size, param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule,
         optimizer=args.optimizer,
     )  # fmt: skip
-    settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(comm), "grad_dtype": args.grad_dtype}
+    settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(wire), "grad_dtype": args.grad_dtype}
     settings.update(schedule=args.schedule, optimizer=args.optimizer)
     if not args.json:
         print(table(report, numel, args.world_size, param, settings, args.gpus_per_node))
         return
     out = {"unit": "bytes (GB = 10^9 bytes; GiB = 2^30)", "params": numel, "world_size": args.world_size}
-    out.update(gpus_per_node=args.gpus_per_node, param_dtype=args.param_dtype, comm_dtype=_name(comm))
+    out.update(gpus_per_node=args.gpus_per_node, param_dtype=args.param_dtype, comm_dtype=_name(wire))
     out.update(grad_dtype=args.grad_dtype, schedule=args.schedule, optimizer=args.optimizer)
     out.update(persistent_bytes=report.persistent_bytes, round_pool_bytes=report.round_pool_bytes)
     out.update(peak_bytes=report.peak_bytes, host_pinned_bytes_per_rank=report.host_bytes)
@@ -250,8 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(out))
 
 
-def _name(dtype: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
+def _name(dtype: torch.dtype | str) -> str:
+    return dtype if isinstance(dtype, str) else next(k for k, v in DTYPES.items() if v == dtype)
 
 
 if __name__ == "__main__":

@@ -29,22 +29,22 @@ def packed_numel(numel: int) -> int:
 
 
 def pack(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantise each row of ``rows`` ((R, n), any float dtype) into ``out`` ((R, packed_numel(n)) int8), blockwise."""
+    """Quantise each row of ``rows`` ((R, n), any float dtype) into ``out`` ((R, packed_numel(n)) int8), blockwise.
+    One row at a time: the float32 temporaries are a row's, not the whole tensor's (a bucket can be 1 GiB)."""
     r, n = rows.shape
     nb = num_blocks(n)
     if out is None:
         out = torch.empty(r, nb * (BLOCK + 4), dtype=torch.int8, device=rows.device)
-    x = rows.float()
-    if n != nb * BLOCK:  # the last block's missing elements are zeros: they change no block's absmax
-        x = torch.nn.functional.pad(x, (0, nb * BLOCK - n))
-    blocks = x.view(r, nb, BLOCK)
-    absmax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)  # NaN and inf propagate
-    scales = absmax / QMAX
-    inverse = torch.where(absmax > 0, QMAX / absmax, torch.zeros_like(absmax))  # an all-zero block stays zeros
-    inverse = torch.where(torch.isfinite(absmax), inverse, absmax)  # not finite: so is every value
-    q = blocks.mul(inverse.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX)
-    out[:, : nb * BLOCK].view(r, nb, BLOCK).copy_(q)
-    out[:, nb * BLOCK :].view(torch.float32).copy_(scales)
+    for i in range(r):
+        x = rows[i].float()
+        if n != nb * BLOCK:  # the last block's missing elements are zeros: they change no block's absmax
+            x = torch.nn.functional.pad(x, (0, nb * BLOCK - n))
+        blocks = x.view(nb, BLOCK)
+        absmax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)  # NaN and inf propagate
+        inverse = torch.where(absmax > 0, QMAX / absmax, torch.zeros_like(absmax))  # an all-zero block stays zeros
+        inverse = torch.where(torch.isfinite(absmax), inverse, absmax)  # not finite: so is every value
+        out[i, : nb * BLOCK].view(nb, BLOCK).copy_(blocks.mul(inverse.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX))
+        out[i, nb * BLOCK :].view(torch.float32).copy_(absmax / QMAX)
     return out
 
 
@@ -65,11 +65,17 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def unpack_sum(packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
     """``out`` ((n,)) <- the sum over the packed rows of their float32 values, in row order (deterministic), cast
-    to ``out``'s dtype."""
-    rows = unpack(packed, n)
-    if out.dtype == torch.float32:
-        return torch.sum(rows, dim=0, out=out)
-    return out.copy_(rows.sum(dim=0))
+    to ``out``'s dtype. One row at a time, added into a float32 ``out`` (else into a float32 temporary)."""
+    total = out if out.dtype == torch.float32 else torch.empty(n, device=out.device)
+    for i in range(packed.shape[0]):
+        row = unpack(packed[i : i + 1], n)[0]
+        if i == 0:
+            total.copy_(row)
+        else:
+            total.add_(row)
+    if total is not out:
+        out.copy_(total)
+    return out
 
 
 def error_bound(rows: torch.Tensor) -> torch.Tensor:

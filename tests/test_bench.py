@@ -175,6 +175,22 @@ def test_the_benchmark_command_on_host_loopback(tmp_path):
     assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "step_time_vs_link.png").stat().st_size > 0
 
 
+def test_the_benchmarks_int8_rows_send_int8_gradients(tmp_path):
+    """``acco-int8`` / ``sync-int8`` run (gradients quantised on the wire, parameters in the model's dtype, fp32
+    here), and their wire time is counted for (1 + 4/256 + 4) / (4 + 4) of an fp32 round's bytes."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "hf_acco.bench", "--no_netns", "--repeats", "1", "--steps", "4", "--hidden", "32",
+           "--layers", "1", "--heads", "1", "--seq", "32", "--batch", "2", "--out", str(out),
+           "--methods", "sync:fixed", "sync-int8:fixed", "acco-int8:fixed"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = {r["method"]: r for r in json.loads((out / "benchmark.json").read_text())["runs"]}
+    assert all(r["step_time_s"] > 0 and math.isfinite(r["final_loss"]) for r in runs.values())
+    # the wire time of a round, scaled from the fp32 round measured alone by the bytes each element takes
+    assert runs["sync-int8"]["t_comm_s"] / runs["sync"]["t_comm_s"] == pytest.approx((1 + 4 / 256 + 4) / 8)
+    assert runs["acco-int8"]["t_comm_s"] == pytest.approx(2 * runs["sync-int8"]["t_comm_s"])
+
+
 def test_the_benchmark_command_with_3_ranks_and_emulated_compute(tmp_path):
     """3 ranks (odd: the shards pad), GPU-like compute: every micro-batch takes at least the stated 40 ms and the
     ballast's 30,000 elements are communicated; the rows say emulated."""

@@ -86,7 +86,8 @@ def _held(
     [(2, "acco", "fp32", torch.float32, "fp32", True), (2, "acco", "auto", torch.bfloat16, "fp32", True),
      (2, "sync", "fp32", torch.float32, "fp32", True), (2, "dpu", "bf16", torch.float32, "fp32", False),
      (2, "acco", "fp32", torch.bfloat16, "fp32", False), (4, "acco", "bf16", torch.bfloat16, "fp32", True),
-     (4, "acco", "bf16", torch.bfloat16, "bf16", False)],
+     (4, "acco", "bf16", torch.bfloat16, "bf16", False), (2, "acco", "int8", torch.bfloat16, "fp32", True),
+     (4, "acco", "int8", torch.bfloat16, "fp32", True), (2, "sync", "int8", torch.float32, "fp32", False)],
 )  # fmt: skip
 def test_the_report_is_what_the_engine_holds(
     world_size: int, schedule: str, comm_dtype: str, model_dtype: torch.dtype, grad_dtype: str, fused: bool
@@ -118,6 +119,13 @@ def test_the_cli_prints_one_json_object_for_7b_on_8_ranks() -> None:
     assert fp32["round_pool_bytes"] / 1e9 == pytest.approx(3.5, abs=0.005)  # foreach's shard-sized square root
     assert bf16_sums["persistent_bytes"] / 1e9 == pytest.approx(52.5, abs=0.005)
     assert default["baselines_persistent_bytes"]["ZeRO-1"] / 1e9 == pytest.approx(52.5, abs=0.005)
+    # int8 on the wire: the default's buffers (the round is handed bf16 sums), plus its packing in the round's pool
+    int8 = report("--param_dtype", "bf16", "--comm_dtype", "int8")
+    assert int8["comm_dtype"] == "int8" and int8["persistent_bytes"] == default["persistent_bytes"]
+    (packing,) = (v for k, v in int8["round_pool"].items() if "int8" in k)
+    # 4 buckets of 259 M elements in flight, each sent and received packed (263 MB), and 2 fp32 chunks of 32 M
+    assert packing / 1e9 == pytest.approx(4 * 2 * 0.263 + 2 * 0.13, abs=0.01)
+    assert int8["round_pool_bytes"] == max(default["round_pool_bytes"], packing)
     assert default["host"][BOUNDARY] / 1e9 == pytest.approx(1.75, abs=0.005)  # the bf16 boundary shard
     assert default["host_pinned_bytes_per_rank"] == 2**31  # as torch's pinned allocator rounds it
     for numel in (125e6, 1.3e9, 6738415616):  # smaller shards, Llama-2-7B's size: the pool within one fp32 shard

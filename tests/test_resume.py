@@ -32,12 +32,23 @@ def step_batches(rank: int, world_size: int, t: int, virtual: int = VIRTUAL_RANK
 
 
 def build(
-    world_size: int, schedule: str, seed: int = 0, virtual: int = VIRTUAL_RANKS, fused: bool | None = None
+    world_size: int,
+    schedule: str,
+    seed: int = 0,
+    virtual: int = VIRTUAL_RANKS,
+    fused: bool | None = None,
+    comm_dtype: str = "auto",
 ) -> tuple[torch.nn.Module, ACCOOptimizer]:
     model = tiny_llama(seed=seed)
     micro_batches = PER_VIRTUAL[virtual] * virtual // world_size
     opt = ACCOOptimizer(
-        decay_groups(model, 0.1), schedule=schedule, micro_batches=micro_batches, max_grad_norm=1.0, fused=fused, **HP
+        decay_groups(model, 0.1),
+        schedule=schedule,
+        micro_batches=micro_batches,
+        max_grad_norm=1.0,
+        fused=fused,
+        comm_dtype=comm_dtype,
+        **HP,
     )
     return model, opt
 
@@ -69,9 +80,10 @@ def train(
     save_after_micro_batches: int = 0,
     virtual: int = VIRTUAL_RANKS,
     fused: bool | None = None,
+    comm_dtype: str = "auto",
 ):
     seed = 0 if load is None else 123  # a resumed run starts from other weights: everything must come from the files
-    model, opt = build(world_size, schedule, seed=seed, virtual=virtual, fused=fused)
+    model, opt = build(world_size, schedule, seed=seed, virtual=virtual, fused=fused, comm_dtype=comm_dtype)
     if load is not None:
         load_optimizer_state(opt, load)
     run_steps(model, opt, rank, world_size, start, stop, virtual)
@@ -127,6 +139,19 @@ def test_checkpoint_from_the_middle_of_a_step_resumes_exactly(tmp_path: Path, sc
     for r in range(2):
         assert _equal(resumed[r]["committed"], straight[r]["committed"])
         assert _equal(resumed[r]["held"], straight[r]["held"])
+
+
+@pytest.mark.parametrize(("schedule", "into_step"), [("acco", 0), ("acco", 3), ("sync", 0)])
+def test_int8_gradients_resume_exactly(tmp_path: Path, schedule: str, into_step: int) -> None:
+    kw = {"schedule": schedule, "comm_dtype": "int8"}
+    straight = run_ranks(train, start=0, stop=6, load=None, save=None, **kw)
+    run_ranks(train, start=0, stop=3, load=None, save=str(tmp_path), save_after_micro_batches=into_step, **kw)
+    resumed = run_ranks(train, start=3, stop=6, load=str(tmp_path), save=None, **kw)
+    for r in range(2):
+        assert _equal(resumed[r]["committed"], straight[r]["committed"])
+        assert _equal(resumed[r]["held"], straight[r]["held"])
+    exact = run_ranks(train, start=0, stop=6, load=None, save=None, schedule=schedule)
+    assert not _equal(exact[0]["committed"], straight[0]["committed"])  # the quantisation is in the run
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hf_acco import quant
 from hf_acco.multiprocess import free_port
 
 from . import report
@@ -52,6 +53,9 @@ FRAMING = (MTU + 14) / (MTU - 52)
 METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")]
 # not run by default: gradients in bf16 on the wire (ACCO's comm_dtype, DDP's bf16_compress_hook)
 BF16_METHODS = [("acco-bf16", "fixed"), ("acco-bf16", "dynamic"), ("sync-bf16", "fixed"), ("ddp-bf16", "fixed")]
+# not run by default: int8 gradients on the wire (ACCO's comm_dtype="int8"; DDP has no such hook)
+INT8_METHODS = [("acco-int8", "fixed"), ("acco-int8", "dynamic"), ("sync-int8", "fixed")]
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "int8": quant.packed_numel(quant.BLOCK) / quant.BLOCK}  # per element
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -63,7 +67,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--slow_factor", type=float, default=2.0, help="the slow rank's compute time factor (1: none)")
     p.add_argument("--slow_ratio", type=float, default=1.0, help="communication/compute ratio of the slow setting")
     p.add_argument("--methods", nargs="+", default=[f"{m}:{a}" for m, a in METHODS],
-                   choices=[f"{m}:{a}" for m, a in METHODS + BF16_METHODS])  # fmt: skip
+                   choices=[f"{m}:{a}" for m, a in METHODS + BF16_METHODS + INT8_METHODS])  # fmt: skip
     p.add_argument(
         "--param_dtype",
         "--model_dtype",
@@ -149,7 +153,7 @@ def summarise_setting(logs: list[dict], setting: dict[str, Any], target: float |
         ranks = [log["runs"][i] for log in logs]
         method = run["method"]
         base, wire = report.method_parts(method)
-        grad_bytes = 2 if wire == "bf16" else 4
+        grad_bytes = WIRE_BYTES[wire]
         if base == "ddp":
             t_comm = max(log["comm"]["all_reduce_s"] for log in logs) * min(grad_bytes, param_bytes) / 4
         else:
