@@ -235,7 +235,7 @@ def bf16_wire_table() -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "benchmark": benchmark_table,
-    "benchmark-rerun": lambda: benchmark_table("benchmark/rerun_2026-12-01/benchmark.json"),
+    "benchmark-rerun": lambda: benchmark_table("benchmark/rerun_2026-12-02/benchmark.json"),
     "benchmark-heterogeneous": lambda: methods_table(
         "benchmark/heterogeneous/slow2x_ratio0.5/benchmark.json",
         "benchmark/heterogeneous/slow2x_ratio1/benchmark.json",
