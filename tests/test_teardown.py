@@ -63,11 +63,9 @@ def _train_then_end(rank: int, world_size: int, out: str, ordered: bool) -> dict
 
 
 def test_the_ddp_wrapper_is_released_before_the_process_group_is_destroyed(tmp_path: Path) -> None:
-    for ordered in (True, False):
-        for r in run_ranks(
-            _train_then_end, world_size=2, backend=None, out=str(tmp_path / str(ordered)), ordered=ordered, timeout=180
-        ):
-            assert r["wrapped"]  # the plain Trainer did wrap the model in DDP
-            assert not r["initialized_after"]
-            # end_training: gone; Accelerate's end alone: still alive (the order that can hang)
-            assert r["wrapper_alive_at_destroy"] is not ordered, (ordered, r)
+    # Accelerate's end alone leaves the wrapper alive (the order that hangs: it hung a rank of this very test once,
+    # under the full suite's load, as it hung the recipe in CI), so only end_training's order is run here.
+    for r in run_ranks(_train_then_end, world_size=2, backend=None, out=str(tmp_path), ordered=True, timeout=180):
+        assert r["wrapped"]  # the plain Trainer did wrap the model in DDP
+        assert not r["initialized_after"]
+        assert r["wrapper_alive_at_destroy"] is False
