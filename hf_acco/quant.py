@@ -64,17 +64,14 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def unpack_sum(packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
-    """``out`` ((n,)) <- the sum over the packed rows of their float32 values, in row order (deterministic), cast
-    to ``out``'s dtype. One row at a time, added into a float32 ``out`` (else into a float32 temporary)."""
-    total = out if out.dtype == torch.float32 else torch.empty(n, device=out.device)
+    """``out`` ((n,) float32, the shard gradient's row) <- the sum over the packed rows of their values, in row
+    order (deterministic), one row at a time."""
     for i in range(packed.shape[0]):
         row = unpack(packed[i : i + 1], n)[0]
         if i == 0:
-            total.copy_(row)
+            out.copy_(row)
         else:
-            total.add_(row)
-    if total is not out:
-        out.copy_(total)
+            out.add_(row)
     return out
 
 

@@ -102,6 +102,18 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _resumes_exactly(tmp_path: Path, into_step: int = 0, **kw) -> list[dict]:
+    """6 steps straight against 3, a checkpoint (``into_step`` micro-batches into step 4), and 3 more from it:
+    every rank's committed and held parameters equal to the bit. Returns the straight run."""
+    straight = run_ranks(train, start=0, stop=6, load=None, save=None, **kw)
+    run_ranks(train, start=0, stop=3, load=None, save=str(tmp_path), save_after_micro_batches=into_step, **kw)
+    resumed = run_ranks(train, start=3, stop=6, load=str(tmp_path), save=None, **kw)
+    for r in range(2):
+        assert _equal(resumed[r]["committed"], straight[r]["committed"])
+        assert _equal(resumed[r]["held"], straight[r]["held"])  # the in-flight estimate too
+    return straight
+
+
 @pytest.mark.parametrize("schedule", ["acco", "dpu", "sync"])
 def test_resume_is_bit_identical(tmp_path: Path, schedule: str) -> None:
     straight = run_ranks(train, schedule=schedule, start=0, stop=8, load=None, save=None)
@@ -117,13 +129,7 @@ def test_resume_is_bit_identical(tmp_path: Path, schedule: str) -> None:
 def test_fused_adamw_resume_is_bit_identical(tmp_path: Path, into_step: int) -> None:
     """Trainer's default optimizer (optim="adamw_torch_fused" is AdamW(fused=True)): its state placed by torch's own
     policy on load, the estimate computed by the fused kernel the commit runs."""
-    kw = {"schedule": "acco", "fused": True}
-    straight = run_ranks(train, start=0, stop=6, load=None, save=None, **kw)
-    run_ranks(train, start=0, stop=3, load=None, save=str(tmp_path), save_after_micro_batches=into_step, **kw)
-    resumed = run_ranks(train, start=3, stop=6, load=str(tmp_path), save=None, **kw)
-    for r in range(2):
-        assert _equal(resumed[r]["committed"], straight[r]["committed"])
-        assert _equal(resumed[r]["held"], straight[r]["held"])
+    straight = _resumes_exactly(tmp_path, into_step, schedule="acco", fused=True)
     unfused = run_ranks(train, start=0, stop=6, load=None, save=None, schedule="acco")
     assert rel(unfused[0]["committed"], straight[0]["committed"]) < 1e-5  # the same algorithm, another kernel
 
@@ -131,25 +137,12 @@ def test_fused_adamw_resume_is_bit_identical(tmp_path: Path, into_step: int) -> 
 @pytest.mark.parametrize("schedule", ["acco", "dpu"])
 @pytest.mark.parametrize("into_step", [1, 3])  # of 4 micro-batches per rank: in half A, in half B
 def test_checkpoint_from_the_middle_of_a_step_resumes_exactly(tmp_path: Path, schedule: str, into_step: int) -> None:
-    straight = run_ranks(train, schedule=schedule, start=0, stop=6, load=None, save=None)
-    run_ranks(
-        train, schedule=schedule, start=0, stop=3, load=None, save=str(tmp_path), save_after_micro_batches=into_step
-    )
-    resumed = run_ranks(train, schedule=schedule, start=3, stop=6, load=str(tmp_path), save=None)
-    for r in range(2):
-        assert _equal(resumed[r]["committed"], straight[r]["committed"])
-        assert _equal(resumed[r]["held"], straight[r]["held"])
+    _resumes_exactly(tmp_path, into_step, schedule=schedule)
 
 
 @pytest.mark.parametrize(("schedule", "into_step"), [("acco", 0), ("acco", 3), ("sync", 0)])
 def test_int8_gradients_resume_exactly(tmp_path: Path, schedule: str, into_step: int) -> None:
-    kw = {"schedule": schedule, "comm_dtype": "int8"}
-    straight = run_ranks(train, start=0, stop=6, load=None, save=None, **kw)
-    run_ranks(train, start=0, stop=3, load=None, save=str(tmp_path), save_after_micro_batches=into_step, **kw)
-    resumed = run_ranks(train, start=3, stop=6, load=str(tmp_path), save=None, **kw)
-    for r in range(2):
-        assert _equal(resumed[r]["committed"], straight[r]["committed"])
-        assert _equal(resumed[r]["held"], straight[r]["held"])
+    straight = _resumes_exactly(tmp_path, into_step, schedule=schedule, comm_dtype="int8")
     exact = run_ranks(train, start=0, stop=6, load=None, save=None, schedule=schedule)
     assert not _equal(exact[0]["committed"], straight[0]["committed"])  # the quantisation is in the run
 
