@@ -170,7 +170,7 @@ class ACCOConfigMixin(_ArgsBase):
             "help": (
                 "Gradients on the wire: auto (the model's dtype, as DDP does: bf16 for a bf16 model), fp32 "
                 "(exact; more bytes and a larger round buffer), bf16, or int8 for slow links (a quarter of fp32's "
-                "bytes: blockwise, a scale per 256 elements, summed in fp32 by the owner; new: compare its loss with "
+                "bytes: blockwise, a scale per 256 elements, summed in fp32 by the owner; compare its loss with "
                 "bf16's on a short run first). Parameters travel in the model's dtype."
             ),
             "choices": list(WIRE_DTYPES),
