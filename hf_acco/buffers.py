@@ -31,7 +31,8 @@ import torch
 
 from .sharding import FlatLayout
 
-WIRE_DTYPES = ("auto", "fp32", "bf16", "int8")  # the settings' spellings (comm_dtype); grad_dtype: fp32, bf16
+WIRE_DTYPES = ("auto", "fp32", "bf16", "int8")  # the settings' spellings of comm_dtype
+GRAD_DTYPES = ("fp32", "bf16")  # of grad_dtype
 COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 QUANTIZED = {"int8": torch.int8}  # packed on the wire by the round (quant.py), from the sums "auto" sends
 

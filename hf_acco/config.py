@@ -15,7 +15,7 @@ from accelerate import PartialState
 from accelerate.utils import str_to_bool
 from transformers import TrainingArguments
 
-from .buffers import WIRE_DTYPES
+from .buffers import GRAD_DTYPES, WIRE_DTYPES
 from .comm import REDUCE_SCATTER_SPELLINGS
 from .rounds import NONFINITE_POLICIES
 from .schedule import SCHEDULES, Accumulation, validate_settings
@@ -29,6 +29,14 @@ def acco_setting(args: TrainingArguments, name: str) -> Any:
     """An ``acco_*`` setting of ``args``, or its default (declared once, on ``ACCOConfigMixin``'s field) for a plain
     TrainingArguments."""
     return getattr(args, name, ACCOConfigMixin.__dataclass_fields__[name].default)
+
+
+def check_choices(args: TrainingArguments) -> None:
+    """Every ``acco_*`` setting that declares its choices (the engine's own lists) holds one of them."""
+    for name, f in ACCOConfigMixin.__dataclass_fields__.items():
+        choices, value = f.metadata.get("choices"), getattr(args, name)
+        if choices is not None and value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def splits_batches(args: TrainingArguments) -> bool:
@@ -192,7 +200,7 @@ class ACCOConfigMixin(_ArgsBase):
                 "Gradient accumulation: fp32, or bf16 to halve the accumulation buffer of the largest bf16 models "
                 "(needs bf16 on the wire; each micro-batch's gradient rounded as it is added)."
             ),
-            "choices": list(WIRE_DTYPES[1:]),
+            "choices": list(GRAD_DTYPES),
         },
     )
 
@@ -200,10 +208,7 @@ class ACCOConfigMixin(_ArgsBase):
         check_supported(self)  # before Trainer's own set-up, which would try to import DeepSpeed, FSDP, ...
         super().__post_init__()
         check_halves(self)
-        if self.acco_accumulation not in TRAINER_ACCUMULATIONS:
-            raise ValueError(
-                f"acco_accumulation must be 'fixed' or 'paced' ('dynamic'), got {self.acco_accumulation!r}"
-            )
+        check_choices(self)
         validate_settings(self.acco_schedule, engine_accumulation(self), engine_micro_batches(self))
         for name in REMOVED_SETTINGS:
             if getattr(self, name) is not None:
@@ -212,22 +217,12 @@ class ACCOConfigMixin(_ArgsBase):
             # Trainer would all-gather token counts every step, holding fast ranks back to the slowest; ACCOTrainer
             # undoes the per-rank normalisation exactly instead (see ACCOTrainer._micro_batch_weight).
             self.average_tokens_across_devices = False
-        if self.acco_reduce_scatter not in ("auto", "native", "all_to_all"):
-            raise ValueError(
-                f"acco_reduce_scatter must be 'auto', 'native' or 'all_to_all', got {self.acco_reduce_scatter!r}"
-            )
-        if self.acco_nonfinite not in ("skip", "error"):
-            raise ValueError(f"acco_nonfinite must be 'skip' or 'error', got {self.acco_nonfinite!r}")
         if self.acco_bucket_numel is not None and self.acco_bucket_numel < 1:
             raise ValueError(f"acco_bucket_numel must be >= 1, got {self.acco_bucket_numel}")
         if self.acco_warmup_steps < 0:
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:
             raise ValueError(f"acco_comm_timeout_s must be > 0, got {self.acco_comm_timeout_s}")
-        if self.acco_comm_dtype not in WIRE_DTYPES:
-            raise ValueError(f"acco_comm_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.acco_comm_dtype!r}")
-        if self.acco_grad_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"acco_grad_dtype must be 'fp32' or 'bf16', got {self.acco_grad_dtype!r}")
         if self.acco_grad_dtype == "bf16" and self.acco_comm_dtype == "fp32":
             raise ValueError(
                 "acco_grad_dtype='bf16' needs bf16 on the wire (acco_comm_dtype='bf16', or 'auto' with a bf16 model): "
