@@ -367,6 +367,11 @@ class Communicator:
         else:  # bf16 on the wire, summed in fp32
             torch.sum(pieces, dim=0, dtype=rows.dtype, out=rows[b])
 
+    def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
+        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the int8
+        changes of ``deltas.DeltaGather``)."""
+        return _all_gather(recv.view(-1), send, group=self.group, async_op=True)
+
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
         """``flat`` <- every rank's shard. With ``shard=None`` each rank's pieces are already in ``flat``."""
         works = []
@@ -395,6 +400,11 @@ class DelayedCommunicator(Communicator):
     def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
         time.sleep(self.delay_s / 2)
         super().reduce_scatter(layout, flat, shard)
+
+    def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
+        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the int8
+        changes of ``deltas.DeltaGather``)."""
+        return _all_gather(recv.view(-1), send, group=self.group, async_op=True)
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
         time.sleep(self.delay_s / 2)

@@ -17,6 +17,7 @@ from transformers import TrainingArguments
 
 from .buffers import GRAD_DTYPES, WIRE_DTYPES
 from .comm import REDUCE_SCATTER_SPELLINGS
+from .deltas import GATHER_DTYPES
 from .rounds import NONFINITE_POLICIES
 from .schedule import SCHEDULES, Accumulation, validate_settings
 from .versions import warn_if_untested
@@ -179,9 +180,21 @@ class ACCOConfigMixin(_ArgsBase):
                 "Gradients on the wire: auto (the model's dtype, as DDP does: bf16 for a bf16 model), fp32 "
                 "(exact; more bytes and a larger round buffer), bf16, or int8 for slow links (a quarter of fp32's "
                 "bytes: blockwise, a scale per 256 elements, summed in fp32 by the owner; compare its loss with "
-                "bf16's on a short run first). Parameters travel in the model's dtype."
+                "bf16's on a short run first). Parameters: acco_gather_dtype."
             ),
             "choices": list(WIRE_DTYPES),
+        },
+    )
+    acco_gather_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "Parameters in the all-gather: auto (the model's dtype, exact), or int8 for slow links: each owner "
+                "sends the change since what every rank holds, blockwise (about half of bf16's bytes); every rank "
+                "applies the same bytes and the next change carries the rounding, so nothing drifts from the fp32 "
+                "master."
+            ),
+            "choices": list(GATHER_DTYPES),
         },
     )
     acco_allow_custom_optimizer: bool = field(

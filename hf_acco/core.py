@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
 from .comm import Communicator, warn_if_one_hardware_queue
+from .deltas import DeltaGather, check_gather_dtype
 from .halves import halves_for, round_ends_soon
 from .inflight import RoundInFlight
 from .lifecycle import EngineLifecycle
@@ -118,6 +119,10 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         grad_dtype (`str`, defaults to `"fp32"`): the dtype gradients accumulate in. ``"bf16"`` (for bf16 models
             with ``comm_dtype="bf16"``, as the authors' release did for the largest models) halves the accumulation
             buffer; each backward's gradient is rounded as it is added.
+        gather_dtype (`str`, defaults to `"auto"`): the parameters in the all-gather: ``"auto"`` (the model's dtype,
+            exact) or ``"int8"``: each owner sends the change of its parameters since what every rank holds,
+            quantised blockwise; every rank applies the same bytes (the ranks stay identical, the rounding is
+            carried into the next round, the master stays exact: ``deltas.py``).
         **defaults: hyper-parameters of the inner optimizer (``lr``, ``weight_decay``, ``betas``, ...).
     """
 
@@ -142,6 +147,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         nonfinite: str = "skip",
         comm_dtype: str | torch.dtype = "auto",
         grad_dtype: str | torch.dtype = "fp32",
+        gather_dtype: str = "auto",
         **defaults: Any,
     ) -> None:
         check_elementwise(optimizer_cls, allow_custom_optimizer)
@@ -149,6 +155,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.schedule, self.accumulation = parse_settings(schedule, accumulation, *counts)
         check_nonfinite(nonfinite)  # before the first collective: a bad setting fails alone, not in a hang
         sums = parse_comm_dtype(grad_dtype, "grad_dtype")
+        int8_params = check_gather_dtype(gather_dtype)
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
@@ -167,8 +174,13 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
         self.halves = halves_for(self.accumulation, *counts)
         self.stats = EngineStats()
+        # nothing on a wire with one rank (local copies): its output is exact, as its gradients are
+        gather = (
+            DeltaGather(self.layout, self.comm, self._params) if int8_params and not self.comm.local_copies else None
+        )
+        self.quantized_parameters = gather is not None
         self._round = RoundBody(
-            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, shard_grad_of=self.buffers.shard_grad_of
+            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, self.buffers.shard_grad_of, gather
         )
         self.rounds = RoundInFlight(self._round, self.buffers, self.stats, self.halves)
         self._boundary = BoundaryState(  # the last step boundary, for state_dict
@@ -311,7 +323,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             error = e
         self.raise_if_any_rank_failed(error)
         self.train()
-        pending = self._boundary.load(state_dict, shard, self.param_groups, self.buffers)
+        pending = self._boundary.load(state_dict, shard, self.param_groups, self.buffers, self._round.gather_output)
         self.step_count = state_dict["step_count"]
         self.stats.load_state_dict(state_dict.get("stats"))
         self.rounds.drop()

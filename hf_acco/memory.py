@@ -1,6 +1,7 @@
 """Bytes per rank of every buffer the engine holds, next to DDP, ZeRO-1 and ZeRO-2 for the same model.
 
     python -m hf_acco.memory --params 7e9 --world_size 8 --param_dtype bf16 [--comm_dtype auto|fp32|bf16|int8]
+                             [--gather_dtype auto|int8]
                              [--grad_dtype fp32|bf16] [--optimizer fused|foreach] [--gpus_per_node 8] [--json]
 
 Units: GB = 10^9 bytes, with GiB (2^30 bytes) beside it. An "80 GB" GPU holds 80 GiB (85.9 GB), less what the CUDA
@@ -41,6 +42,7 @@ import torch
 
 from . import quant
 from .buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
+from .deltas import GATHER_DTYPES, check_gather_dtype
 from .optim import estimate_window
 from .sharding import FlatLayout
 
@@ -97,9 +99,11 @@ def engine_memory(
     state_per_element: int = ADAM_STATE_PER_ELEMENT,
     max_inflight: int = 4,
     optimizer: str = "fused",
+    gather_dtype: str = "auto",
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
     quantized = comm_dtype == "int8"  # the round is handed the sums "auto" sends (the model's dtype), packs them
+    int8_params = check_gather_dtype(gather_dtype)
     if isinstance(comm_dtype, str):
         if comm_dtype not in ("auto", "int8"):
             raise ValueError(f"comm_dtype is a torch dtype, 'auto' (the model's) or 'int8', got {comm_dtype!r}")
@@ -137,20 +141,31 @@ def engine_memory(
         "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
         + shard * param_dtype.itemsize,
     }
+    round_pool.update(wire_pool(layout, comm_dtype, quantized, int8_params, backend, max_inflight))
+    return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
+
+
+def wire_pool(
+    layout: FlatLayout, comm_dtype: torch.dtype, quantized: bool, int8_params: bool, backend: str, max_inflight: int
+) -> dict[str, int]:
+    """The round pool's buffers of the collectives themselves (the largest counts: they run one after the other)."""
+    fp32, pool = torch.float32.itemsize, {}
+    inflight = min(max_inflight, layout.num_buckets)
+    row = quant.packed_numel(layout.chunk)  # one chunk's int8 values and their scales
+    # one chunk's fp32 temporaries at once: quantising (the scaled product, an fp32 or padded copy of the input)
+    # or dequantising (one row)
+    temporaries = 2 * quant.num_blocks(layout.chunk) * quant.BLOCK * fp32
     if quantized:  # every backend: the all-to-all of packed chunks (comm.py, quant.py)
-        inflight = min(max_inflight, layout.num_buckets)
-        packed = quant.packed_numel(layout.chunk) * world_size  # one bucket, int8 values and their scales
-        # at once: the send and receive buffers of the buckets in flight, and one chunk's fp32 temporaries
-        # (quantising a row: the scaled product, and an fp32 or padded copy of bf16 sums; dequantising: one)
-        round_pool["round: int8 reduce-scatter (packed buckets in flight, fp32 temporaries)"] = (
-            2 * inflight * packed + 2 * quant.num_blocks(layout.chunk) * quant.BLOCK * fp32
+        pool["round: int8 reduce-scatter (packed buckets in flight, fp32 temporaries)"] = (
+            2 * inflight * row * layout.world_size + temporaries
         )
     elif backend == "gloo":
-        wire = comm_dtype.itemsize
-        round_pool["round: all-to-all receive buffers"] = (
-            min(max_inflight, layout.num_buckets) * layout.bucket_size * wire
+        pool["round: all-to-all receive buffers"] = inflight * layout.bucket_size * comm_dtype.itemsize
+    if int8_params:  # deltas.py: this rank's packed change and every rank's, per bucket in flight; the change
+        pool["round: int8 all-gather (packed changes in flight, fp32 temporaries)"] = (
+            inflight * (1 + layout.world_size) * row + temporaries + layout.chunk * fp32
         )
-    return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
+    return pool
 
 
 def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (not imported: no cycle)
@@ -161,6 +176,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         opt.layout.world_size,
         param_dtype=opt.buffers.param_dtype,
         comm_dtype="int8" if opt.comm.quantized_gradients else opt.buffers.comm_dtype,
+        gather_dtype="int8" if opt.quantized_parameters else "auto",
         grad_dtype=opt.buffers.accum.dtype,
         schedule=opt.schedule.value,
         backend=opt.comm.backend,
@@ -220,6 +236,7 @@ def make_parser() -> argparse.ArgumentParser:
         default="auto",
         help="gradients on the wire (auto: the model's)",
     )
+    p.add_argument("--gather_dtype", choices=GATHER_DTYPES, default="auto", help="parameters in the all-gather")
     p.add_argument("--grad_dtype", choices=sorted(DTYPES), default="fp32", help="gradient accumulation")
     p.add_argument("--schedule", choices=["acco", "dpu", "sync"], default="acco")
     p.add_argument(
@@ -241,16 +258,18 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     report = engine_memory(
         numel, args.world_size, param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule,
-        optimizer=args.optimizer,
+        optimizer=args.optimizer, gather_dtype=args.gather_dtype,
     )  # fmt: skip
     settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(wire), "grad_dtype": args.grad_dtype}
+    settings["gather_dtype"] = args.gather_dtype
     settings.update(schedule=args.schedule, optimizer=args.optimizer)
     if not args.json:
         print(table(report, numel, args.world_size, param, settings, args.gpus_per_node))
         return
     out = {"unit": "bytes (GB = 10^9 bytes; GiB = 2^30)", "params": numel, "world_size": args.world_size}
     out.update(gpus_per_node=args.gpus_per_node, param_dtype=args.param_dtype, comm_dtype=_name(wire))
-    out.update(grad_dtype=args.grad_dtype, schedule=args.schedule, optimizer=args.optimizer)
+    out.update(grad_dtype=args.grad_dtype, gather_dtype=args.gather_dtype, schedule=args.schedule)
+    out.update(optimizer=args.optimizer)
     out.update(persistent_bytes=report.persistent_bytes, round_pool_bytes=report.round_pool_bytes)
     out.update(peak_bytes=report.peak_bytes, host_pinned_bytes_per_rank=report.host_bytes)
     out.update(host_pinned_bytes_per_node=report.host_bytes * args.gpus_per_node)

@@ -103,6 +103,7 @@ class RoundBody:
         layout, comm, shard: the flat layout, the round's communicator and this rank's shard optimizer.
         max_grad_norm: clip the averaged gradient to this global norm (``None``: no clipping).
         nonfinite: ``"skip"`` an update whose averaged gradient has an inf/NaN, or ``"error"``.
+        gather: the all-gather of a round's output (``None``: exact, in the model's dtype).
     """
 
     def __init__(
@@ -113,8 +114,11 @@ class RoundBody:
         max_grad_norm: float | None = None,
         nonfinite: str = "skip",
         shard_grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda grads: None,
+        gather: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.layout, self.comm, self.shard = layout, comm, shard
+        # 7.'s all-gather of the output (this rank's pieces in place): exact, or int8 changes (deltas.DeltaGather)
+        self.gather_output = gather if gather is not None else lambda flat: comm.all_gather(layout, None, flat)
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.rank = comm.rank
@@ -193,7 +197,7 @@ class RoundBody:
             narrow = buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()
             norm, skipped = self._update(kind, buf, grad, total_weight, hparams, narrow)  # 3.-6.
         # 7. all-gather
-        comm.all_gather(layout, None, buf)
+        self.gather_output(buf)
         if buf.is_cuda:  # the round's duration is that of its kernels, not of their launch (work.wait() does not
             torch.cuda.current_stream(buf.device).synchronize()  # block the host on NCCL); blocks only this thread
         seconds = time.perf_counter() - t0

@@ -130,10 +130,18 @@ class BoundaryState:
         return shard_getter(state_dict, self.layout, self.comm.rank, self.shard.master.device)
 
     @torch.no_grad()
-    def load(self, state_dict: dict[str, Any], shard: Callable, param_groups: list[dict], buffers: BufferPair) -> bool:
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        shard: Callable,
+        param_groups: list[dict],
+        buffers: BufferPair,
+        gather: Callable[[torch.Tensor], None],
+    ) -> bool:
         """Restore master, optimizer state, hyper-parameters and the model (collective: all-gathers).
 
-        Returns whether a commit round was pending: then ``buffers.wire`` holds its output, as if just waited for.
+        Returns whether a commit round was pending: then ``buffers.wire`` holds its output, as if just waited for
+        (gathered by ``gather``, as the round's own all-gather did: from the model just loaded, its base).
         """
         self.shard.master.copy_(shard(state_dict["master"]))
         self.shard.load_state_tensors(
@@ -155,7 +163,7 @@ class BoundaryState:
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
             output = buffers.params_of(buffers.wire)
             put_own_pieces(self.layout, output, self.shard.master, self.comm.rank)
-            self.comm.all_gather(self.layout, None, output)
+            gather(output)
         return self.pending
 
 

@@ -126,7 +126,15 @@ def test_cuda_round_duration_covers_its_kernels() -> None:
     assert seconds >= 0.8 * 0.2, seconds  # the round's kernels alone take about 0.2 s
 
 
-def cuda_placed(rank: int, world_size: int, comm_dtype: str, grad_dtype: str, separate: bool) -> dict:
+def cuda_placed(
+    rank: int,
+    world_size: int,
+    comm_dtype: str,
+    grad_dtype: str,
+    separate: bool,
+    gather_dtype: str = "auto",
+    delay: float = 0.005,
+) -> dict:
     """A bf16 model on one GPU, NCCL's real collectives; the shard gradient where the engine puts it (the fp32
     round buffer's own pieces: NCCL's in-place reduce-scatter, the estimate over its own gradient, rounded into
     bf16) or, ``separate``, held apart."""
@@ -137,7 +145,8 @@ def cuda_placed(rank: int, world_size: int, comm_dtype: str, grad_dtype: str, se
     model = tiny_llama().cuda().to(torch.bfloat16)
     opt = ACCOOptimizer(
         decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5, comm_dtype=comm_dtype,
-        grad_dtype=grad_dtype, communicator=DelayedCommunicator(0.005, collectives_at_world_size_1=True), **HP,
+        grad_dtype=grad_dtype, gather_dtype=gather_dtype,
+        communicator=DelayedCommunicator(delay, collectives_at_world_size_1=True), **HP,
     )  # fmt: skip
     room, accum = opt.buffers.grad_room, opt.buffers.accum.dtype
     for t in range(STEPS):
@@ -169,6 +178,17 @@ def test_cuda_bf16_wire_and_bf16_accumulation_train() -> None:
     assert all(torch.isfinite(p).all() for p in got["params"])
     start = [p.detach().to(torch.bfloat16).float() for p in tiny_llama().parameters()]
     assert relative_error([p.float() for p in got["params"]], start) > 1e-3  # it trained
+
+
+def test_cuda_int8_gradients_and_parameters_do_not_depend_on_round_timing() -> None:
+    """int8 on NCCL: the round reads the model (the changes' base) on its own stream, after the launch's event; a
+    missing dependency on the main stream's load of the model would make the run depend on the round's timing."""
+    fast = _placed(comm_dtype="int8", grad_dtype="fp32", separate=False, gather_dtype="int8", delay=0.0)
+    slow = _placed(comm_dtype="int8", grad_dtype="fp32", separate=False, gather_dtype="int8", delay=0.05)
+    assert all(torch.equal(a, b) for a, b in zip(fast["params"], slow["params"]))
+    exact = _placed(comm_dtype="auto", grad_dtype="fp32", separate=False)
+    floats = lambda ps: [p.float() for p in ps]  # noqa: E731
+    assert 0 < relative_error(floats(fast["params"]), floats(exact["params"])) < 0.2
 
 
 # ---- the first real run's rules, on the device (issue: 8 GPUs, Trainer's defaults, a bf16 model, a resume) -------

@@ -126,6 +126,13 @@ def test_the_cli_prints_one_json_object_for_7b_on_8_ranks() -> None:
     # 4 buckets of 259 M elements in flight, each sent and received packed (263 MB), and 2 fp32 chunks of 32 M
     assert packing / 1e9 == pytest.approx(4 * 2 * 0.263 + 2 * 0.13, abs=0.01)
     assert int8["round_pool_bytes"] == max(default["round_pool_bytes"], packing)
+    # int8 parameter changes: per bucket in flight this rank's packed chunk and every rank's (33 MB each), one fp32
+    # chunk's change and the (de)quantising temporaries; after the reduce-scatter, so the pool is the larger one's
+    both = report("--param_dtype", "bf16", "--comm_dtype", "int8", "--gather_dtype", "int8")
+    assert both["gather_dtype"] == "int8" and both["persistent_bytes"] == default["persistent_bytes"]
+    (changes,) = (v for k, v in both["round_pool"].items() if "all-gather" in k)
+    assert changes / 1e9 == pytest.approx(4 * 9 * 0.0329 + 2 * 0.13 + 0.13, abs=0.01)
+    assert both["round_pool_bytes"] == max(packing, changes) == packing
     assert default["host"][BOUNDARY] / 1e9 == pytest.approx(1.75, abs=0.005)  # the bf16 boundary shard
     assert default["host_pinned_bytes_per_rank"] == 2**31  # as torch's pinned allocator rounds it
     for numel in (125e6, 1.3e9, 6738415616):  # smaller shards, Llama-2-7B's size: the pool within one fp32 shard

@@ -38,6 +38,7 @@ def build(
     virtual: int = VIRTUAL_RANKS,
     fused: bool | None = None,
     comm_dtype: str = "auto",
+    gather_dtype: str = "auto",
 ) -> tuple[torch.nn.Module, ACCOOptimizer]:
     model = tiny_llama(seed=seed)
     micro_batches = PER_VIRTUAL[virtual] * virtual // world_size
@@ -48,6 +49,7 @@ def build(
         max_grad_norm=1.0,
         fused=fused,
         comm_dtype=comm_dtype,
+        gather_dtype=gather_dtype,
         **HP,
     )
     return model, opt
@@ -81,9 +83,11 @@ def train(
     virtual: int = VIRTUAL_RANKS,
     fused: bool | None = None,
     comm_dtype: str = "auto",
+    gather_dtype: str = "auto",
 ):
     seed = 0 if load is None else 123  # a resumed run starts from other weights: everything must come from the files
-    model, opt = build(world_size, schedule, seed=seed, virtual=virtual, fused=fused, comm_dtype=comm_dtype)
+    wire = {"comm_dtype": comm_dtype, "gather_dtype": gather_dtype}
+    model, opt = build(world_size, schedule, seed=seed, virtual=virtual, fused=fused, **wire)
     if load is not None:
         load_optimizer_state(opt, load)
     run_steps(model, opt, rank, world_size, start, stop, virtual)
@@ -140,9 +144,22 @@ def test_checkpoint_from_the_middle_of_a_step_resumes_exactly(tmp_path: Path, sc
     _resumes_exactly(tmp_path, into_step, schedule=schedule)
 
 
-@pytest.mark.parametrize(("schedule", "into_step"), [("acco", 0), ("acco", 3), ("sync", 0)])
-def test_int8_gradients_resume_exactly(tmp_path: Path, schedule: str, into_step: int) -> None:
-    straight = _resumes_exactly(tmp_path, into_step, schedule=schedule, comm_dtype="int8")
+@pytest.mark.parametrize(
+    ("schedule", "into_step", "comm_dtype", "gather_dtype"),
+    [
+        ("acco", 0, "int8", "auto"),
+        ("acco", 3, "int8", "int8"),
+        ("sync", 0, "int8", "int8"),
+        ("dpu", 1, "auto", "int8"),
+    ],
+)
+def test_int8_on_the_wire_resumes_exactly(
+    tmp_path: Path, schedule: str, into_step: int, comm_dtype: str, gather_dtype: str
+) -> None:
+    """int8 gradients, and int8 parameter changes (a pending commit round's output rebuilt on load from the same
+    base, the boundary's model, as the round built it)."""
+    wire = {"comm_dtype": comm_dtype, "gather_dtype": gather_dtype}
+    straight = _resumes_exactly(tmp_path, into_step, schedule=schedule, **wire)
     exact = run_ranks(train, start=0, stop=6, load=None, save=None, schedule=schedule)
     assert not _equal(exact[0]["committed"], straight[0]["committed"])  # the quantisation is in the run
 

@@ -53,7 +53,8 @@ FRAMING = (MTU + 14) / (MTU - 52)
 METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")]
 # not run by default: gradients in bf16 on the wire (ACCO's comm_dtype, DDP's bf16_compress_hook)
 BF16_METHODS = [("acco-bf16", "fixed"), ("acco-bf16", "dynamic"), ("sync-bf16", "fixed"), ("ddp-bf16", "fixed")]
-# not run by default: int8 gradients on the wire (ACCO's comm_dtype="int8"; DDP has no such hook)
+# not run by default: int8 gradients and parameter changes on the wire (ACCO's comm_dtype and gather_dtype "int8";
+# DDP has no such hook)
 INT8_METHODS = [("acco-int8", "fixed"), ("acco-int8", "dynamic"), ("sync-int8", "fixed")]
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "int8": quant.packed_numel(quant.BLOCK) / quant.BLOCK}  # per element
 
@@ -147,13 +148,14 @@ def summarise_setting(logs: list[dict], setting: dict[str, Any], target: float |
     window = len(logs) * 2 * logs[0]["runs"][0].get("k", 4)
     rounds = {"acco": 2, "dpu": 1, "sync": 1}
     # the wire time alone was measured for an fp32 round (or all-reduce); other dtypes move fewer bytes
-    param_bytes = 2 if setting.get("model_dtype") == "bf16" else 4
+    model_bytes = 2 if setting.get("model_dtype") == "bf16" else 4
     per_method: dict[tuple[str, str], list[dict]] = {}
     for i, run in enumerate(logs[0]["runs"]):
         ranks = [log["runs"][i] for log in logs]
         method = run["method"]
         base, wire = report.method_parts(method)
         grad_bytes = WIRE_BYTES[wire]
+        param_bytes = WIRE_BYTES["int8"] if wire == "int8" else model_bytes  # int8: the parameters' changes too
         if base == "ddp":
             t_comm = max(log["comm"]["all_reduce_s"] for log in logs) * min(grad_bytes, param_bytes) / 4
         else:

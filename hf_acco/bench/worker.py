@@ -384,7 +384,8 @@ def build_method(
     paced = run["accumulation"] == "dynamic"
     opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation="paced" if paced else "fixed",
                         micro_batches=k, max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
-                        comm_dtype=wire, bucket_numel=spec.get("bucket_numel"))  # fmt: skip
+                        comm_dtype=wire, gather_dtype="int8" if wire == "int8" else "auto",
+                        bucket_numel=spec.get("bucket_numel"))  # fmt: skip
     return None, opt, paced
 
 
