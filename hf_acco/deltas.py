@@ -12,6 +12,12 @@ the optimizer state stay fp32 and exact on the owner).
 
 A resume recomputes a pending commit round's output the same way, from the same base (the boundary's model, which
 the checkpoint holds exactly): it is exact.
+
+Ordering on a GPU (the round on its own stream, ``runner.py``): the round reads the model on its stream after the
+launch's ``ready`` event, which the main stream records after the boundary loaded the model; the main stream
+writes the model again only after waiting for the round's ``done`` event (the next boundary's load, evaluation, a
+resume). So every read of the base sees the model every rank loaded, and no load overlaps it; the main stream's
+forward and backward only read the model meanwhile.
 """
 
 from __future__ import annotations

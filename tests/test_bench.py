@@ -175,9 +175,9 @@ def test_the_benchmark_command_on_host_loopback(tmp_path):
     assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "step_time_vs_link.png").stat().st_size > 0
 
 
-def test_the_benchmarks_int8_rows_send_int8_gradients(tmp_path):
-    """``acco-int8`` / ``sync-int8`` run (gradients quantised on the wire, parameters in the model's dtype, fp32
-    here), and their wire time is counted for (1 + 4/256 + 4) / (4 + 4) of an fp32 round's bytes."""
+def test_the_benchmarks_int8_rows_send_int8_gradients_and_parameter_changes(tmp_path):
+    """``acco-int8`` / ``sync-int8`` run (gradients and parameter changes quantised on the wire), and their wire
+    time is counted for 2 (1 + 4/256) / (4 + 4) of an fp32 round's bytes."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "hf_acco.bench", "--no_netns", "--repeats", "1", "--steps", "4", "--hidden", "32",
            "--layers", "1", "--heads", "1", "--seq", "32", "--batch", "2", "--out", str(out),
@@ -187,7 +187,7 @@ def test_the_benchmarks_int8_rows_send_int8_gradients(tmp_path):
     runs = {r["method"]: r for r in json.loads((out / "benchmark.json").read_text())["runs"]}
     assert all(r["step_time_s"] > 0 and math.isfinite(r["final_loss"]) for r in runs.values())
     # the wire time of a round, scaled from the fp32 round measured alone by the bytes each element takes
-    assert runs["sync-int8"]["t_comm_s"] / runs["sync"]["t_comm_s"] == pytest.approx((1 + 4 / 256 + 4) / 8)
+    assert runs["sync-int8"]["t_comm_s"] / runs["sync"]["t_comm_s"] == pytest.approx(2 * (1 + 4 / 256) / 8)
     assert runs["acco-int8"]["t_comm_s"] == pytest.approx(2 * runs["sync-int8"]["t_comm_s"])
 
 
