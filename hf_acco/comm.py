@@ -14,7 +14,8 @@ Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
   spelling moves (N-1)/N of the buffer, and with the all-gather a round moves what one all-reduce moves.
 
 With ``quantized_gradients`` (int8 on the wire, ``quant.py``) every backend uses the all-to-all: each rank's chunks
-are quantised blockwise before they leave, and the owner sums the chunks it receives in fp32.
+are quantised blockwise before they leave, and the owner sums the chunks it receives in fp32; on several machines
+of several ranks each, in two levels (exact inside a machine, int8 between machines: ``nodes.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import atexit
 import contextlib
 import datetime
 import os
-import socket
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import quant
+from .nodes import NodeGroups, gloo_failure, machines, node, node_groups
 from .sharding import FlatLayout
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,39 +63,6 @@ def is_peer_failure(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
         return False  # this rank's own, also when NCCL reports it (e.g. setting up the round's communicator)
     return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
-
-
-def node() -> str:
-    """Which machine this process runs on, for messages of a multi-node job: the launcher's node rank
-    (``GROUP_RANK``, set by torchrun and ``accelerate launch``) and the host's name."""
-    rank = os.environ.get("GROUP_RANK")
-    return f"node {rank}, {socket.gethostname()}" if rank is not None else socket.gethostname()
-
-
-def gloo_failure(error: BaseException) -> str:
-    """What to do when a gloo group of ACCO's (the round's counts go over gloo on the host, also on NCCL) cannot be
-    set up: the interface gloo binds and the address it resolved, and what to set."""
-    import socket
-
-    interface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if interface:
-        where = f"GLOO_SOCKET_IFNAME={interface!r}"
-    else:
-        host = socket.gethostname()
-        try:
-            address = socket.gethostbyname(host)
-        except OSError:
-            address = "no address"
-        where = f"GLOO_SOCKET_IFNAME unset: the address of the hostname {host!r} ({address})"
-    rank = dist.get_rank() if dist.is_initialized() else "?"
-    return (
-        f"ACCO could not set up its gloo group on rank {rank} ({node()}; {where}): {type(error).__name__}: {error}. "
-        "ACCO sends "
-        "each round's counts over gloo (TCP between the hosts), also when the gradients go over NCCL. Set "
-        "GLOO_SOCKET_IFNAME on every node to the network interface the nodes reach each other on (`ip -br addr`; "
-        "often the one NCCL_SOCKET_IFNAME names), and let TCP through between the nodes: the rendezvous port "
-        "(MASTER_PORT) and the ephemeral ports gloo listens on."
-    )
 
 
 def round_group_options(backend: str, timeout: datetime.timedelta | None = None) -> Any:
@@ -157,6 +125,7 @@ class Communicator:
         max_inflight: int = 4,
         timeout: datetime.timedelta | None = None,
         collectives_at_world_size_1: bool = False,
+        ranks_per_node: int | None = None,
     ) -> None:
         if reduce_scatter not in REDUCE_SCATTER_SPELLINGS:
             raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER_SPELLINGS}, got {reduce_scatter!r}")
@@ -167,6 +136,9 @@ class Communicator:
             )
         self._ranks = dist.get_process_group_ranks(group) if group is not None else None
         self.timeout = timeout
+        self.quantized_gradients = False  # int8 gradients on the wire (use_int8_gradients)
+        self.ranks_per_node = ranks_per_node  # None: the launcher's LOCAL_WORLD_SIZE (nodes.py)
+        self.two_level: NodeGroups | None = None  # int8 gradients on several machines of several ranks
         self._make_groups(dist.get_backend(group))
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -175,7 +147,6 @@ class Communicator:
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
         self.max_inflight = max(1, max_inflight)
-        self.quantized_gradients = False  # int8 gradients on the wire (the engine sets it from its comm_dtype)
         self.in_round = False  # a round of this communicator is running (on the background thread)
 
     def _make_groups(self, backend: str) -> None:
@@ -214,6 +185,28 @@ class Communicator:
         """New groups after ``destroy`` (collective, like the constructor)."""
         if self.destroyed:
             self._make_groups(self.backend)
+            if self.quantized_gradients:
+                self._make_node_groups()
+
+    def use_int8_gradients(self) -> None:
+        """int8 gradients on the wire (``quant.py``), in two levels on several machines of several ranks each
+        (``nodes.py``). Collective: every rank at the same point (the engine's construction)."""
+        self.quantized_gradients = True
+        self._make_node_groups()
+
+    def _make_node_groups(self) -> None:
+        nodes, per_node = machines(self.world_size, self.ranks_per_node)
+        if nodes == 1 or per_node == 1 or self.local_copies:
+            return
+        if self.ranks_per_node is None:  # the launcher's numbering, machine by machine, on every rank; else flat
+            local = int(os.environ.get("LOCAL_RANK", self.rank % per_node))
+            off = torch.tensor([float(local != self.rank % per_node)])
+            dist.all_reduce(off, group=self.host_group)
+            if off.item():
+                return
+        ranks = self._ranks if self._ranks is not None else list(range(dist.get_world_size()))
+        options = round_group_options(self.backend, self.timeout)
+        self.two_level = node_groups(ranks, self.rank, nodes, per_node, self.timeout, options)
 
     def _destroy_at_exit(self) -> None:
         """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at
@@ -223,6 +216,9 @@ class Communicator:
         if self.in_round:
             return
         try:
+            if self.two_level is not None:
+                self.two_level.destroy()
+                self.two_level = None
             for group in {self.host_group, self.group}:
                 if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
                     dist.destroy_process_group(group)
@@ -338,18 +334,32 @@ class Communicator:
 
     def _int8_reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, rows: torch.Tensor) -> None:
         """The all-to-all spelling with each chunk quantised blockwise to int8 before it leaves (quant.py, about a
-        quarter of fp32's bytes): the owner dequantises the world_size chunks it receives and sums them in fp32, in
-        rank order. Bucket b is packed before its row of ``rows`` is written, as in the fp32 spelling."""
+        quarter of fp32's bytes): the owner dequantises the chunks it receives (one per rank, or per machine in
+        two levels: nodes.py) and sums them in fp32, in rank order. Bucket b is read before its row of ``rows`` is
+        written, as in the fp32 spelling."""
         pending: list[tuple[int, torch.Tensor, dist.Work, torch.Tensor]] = []
         for b in range(layout.num_buckets):
             if len(pending) >= self.max_inflight:
                 self._sum_unpacked(layout, rows, *pending.pop(0))
-            send = quant.pack(layout.bucket(flat, b).view(layout.world_size, layout.chunk))
+            if self.two_level is None:
+                send, group = quant.pack(layout.bucket(flat, b).view(layout.world_size, layout.chunk)), self.group
+            else:
+                send, group = quant.pack(self._machine_sum(layout, flat, b)), self.two_level.rail
             recv = torch.empty_like(send)
-            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            work = dist.all_to_all_single(recv, send, group=group, async_op=True)
             pending.append((b, recv, work, send))  # ``send`` outlives the collective that reads it
         for item in pending:
             self._sum_unpacked(layout, rows, *item)
+
+    def _machine_sum(self, layout: FlatLayout, flat: torch.Tensor, b: int) -> torch.Tensor:
+        """nodes.py's first level: this machine's sum of bucket b's chunks whose owners have this rank's local
+        rank, (machines, chunk) in ``flat``'s dtype (a reduce-scatter of the bucket regrouped by local rank)."""
+        levels = self.two_level
+        assert levels is not None
+        by_local = layout.bucket(flat, b).view(levels.nodes, levels.per_node, layout.chunk).transpose(0, 1)
+        summed = torch.empty(levels.nodes, layout.chunk, dtype=flat.dtype, device=flat.device)
+        _reduce_scatter(summed.view(-1), by_local.contiguous().view(-1), group=levels.node)
+        return summed
 
     @staticmethod
     def _sum_unpacked(

@@ -163,7 +163,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         wire, quantized = parse_wire(comm_dtype, self._params)
         check_grad_dtype(sums, wire, model_dtype(self._params))  # before the first collective, as above
         self.comm = communicator if communicator is not None else Communicator(group)
-        self.comm.quantized_gradients = quantized
+        if quantized:
+            self.comm.use_int8_gradients()  # collective: two levels on several machines (nodes.py)
         self.layout = FlatLayout(
             self._params, [n for n, _, _ in named], [g for _, _, g in named], self.comm.world_size, bucket_numel,
             backend=self.comm.backend,

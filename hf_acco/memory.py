@@ -43,6 +43,7 @@ import torch
 from . import quant
 from .buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
 from .deltas import GATHER_DTYPES, check_gather_dtype
+from .nodes import machines
 from .optim import estimate_window
 from .sharding import FlatLayout
 
@@ -100,6 +101,7 @@ def engine_memory(
     max_inflight: int = 4,
     optimizer: str = "fused",
     gather_dtype: str = "auto",
+    ranks_per_node: int = 1,
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
     quantized = comm_dtype == "int8"  # the round is handed the sums "auto" sends (the model's dtype), packs them
@@ -141,21 +143,34 @@ def engine_memory(
         "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
         + shard * param_dtype.itemsize,
     }
-    round_pool.update(wire_pool(layout, comm_dtype, quantized, int8_params, backend, max_inflight))
+    round_pool.update(wire_pool(layout, comm_dtype, quantized, int8_params, backend, max_inflight, ranks_per_node))
     return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
 
 
 def wire_pool(
-    layout: FlatLayout, comm_dtype: torch.dtype, quantized: bool, int8_params: bool, backend: str, max_inflight: int
+    layout: FlatLayout,
+    comm_dtype: torch.dtype,
+    quantized: bool,
+    int8_params: bool,
+    backend: str,
+    max_inflight: int,
+    per_node: int = 1,
 ) -> dict[str, int]:
-    """The round pool's buffers of the collectives themselves (the largest counts: they run one after the other)."""
+    """The round pool's buffers of the collectives themselves (the largest counts: they run one after the other);
+    ``per_node``: ranks per machine (int8 gradients go in two levels on several machines of several ranks)."""
     fp32, pool = torch.float32.itemsize, {}
     inflight = min(max_inflight, layout.num_buckets)
     row = quant.packed_numel(layout.chunk)  # one chunk's int8 values and their scales
     # one chunk's fp32 temporaries at once: quantising (the scaled product, an fp32 or padded copy of the input)
     # or dequantising (one row)
     temporaries = 2 * quant.num_blocks(layout.chunk) * quant.BLOCK * fp32
-    if quantized:  # every backend: the all-to-all of packed chunks (comm.py, quant.py)
+    nodes, per_node = machines(layout.world_size, per_node)
+    if quantized and nodes > 1 and per_node > 1:  # nodes.py: a machine's reduce-scatter, then int8 between machines
+        regrouped = (layout.bucket_size + nodes * layout.chunk) * comm_dtype.itemsize  # the bucket, its node sum
+        pool["round: int8 reduce-scatter in two levels (a bucket regrouped, packed rows in flight)"] = (
+            regrouped + 2 * inflight * row * nodes + temporaries
+        )
+    elif quantized:  # every backend: the all-to-all of packed chunks (comm.py, quant.py)
         pool["round: int8 reduce-scatter (packed buckets in flight, fp32 temporaries)"] = (
             2 * inflight * row * layout.world_size + temporaries
         )
@@ -177,6 +192,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         param_dtype=opt.buffers.param_dtype,
         comm_dtype="int8" if opt.comm.quantized_gradients else opt.buffers.comm_dtype,
         gather_dtype="int8" if opt.quantized_parameters else "auto",
+        ranks_per_node=opt.comm.two_level.per_node if opt.comm.two_level is not None else 1,
         grad_dtype=opt.buffers.accum.dtype,
         schedule=opt.schedule.value,
         backend=opt.comm.backend,
@@ -258,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     report = engine_memory(
         numel, args.world_size, param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule,
-        optimizer=args.optimizer, gather_dtype=args.gather_dtype,
+        optimizer=args.optimizer, gather_dtype=args.gather_dtype, ranks_per_node=args.gpus_per_node,
     )  # fmt: skip
     settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(wire), "grad_dtype": args.grad_dtype}
     settings["gather_dtype"] = args.gather_dtype

@@ -133,6 +133,12 @@ def test_the_cli_prints_one_json_object_for_7b_on_8_ranks() -> None:
     (changes,) = (v for k, v in both["round_pool"].items() if "all-gather" in k)
     assert changes / 1e9 == pytest.approx(4 * 9 * 0.0329 + 2 * 0.13 + 0.13, abs=0.01)
     assert both["round_pool_bytes"] == max(packing, changes) == packing
+    # 2 machines of 8: the two levels regroup one bucket (bf16) for the machine's reduce-scatter and send one packed
+    # row per machine, not per rank: less than the flat all-to-all's buffers (one rank per machine)
+    wide = ["--param_dtype", "bf16", "--comm_dtype", "int8", "--world_size", "16"]
+    (levels,) = (v for k, v in report(*wide)["round_pool"].items() if "two levels" in k)
+    (flat,) = (v for k, v in report(*wide, "--gpus_per_node", "1")["round_pool"].items() if "reduce-scatter" in k)
+    assert 0.5 < levels / 1e9 < flat / 1e9
     assert default["host"][BOUNDARY] / 1e9 == pytest.approx(1.75, abs=0.005)  # the bf16 boundary shard
     assert default["host_pinned_bytes_per_rank"] == 2**31  # as torch's pinned allocator rounds it
     for numel in (125e6, 1.3e9, 6738415616):  # smaller shards, Llama-2-7B's size: the pool within one fp32 shard

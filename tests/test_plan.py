@@ -49,6 +49,31 @@ def test_ring_and_two_level_collectives():
         plan.collective(1e9, cluster, c, spelling="tree")
 
 
+def test_int8_rounds_by_hand_two_levels_between_nodes_and_the_kernels():
+    from hf_acco import quant
+
+    assert plan.INT8_BYTES == quant.packed_numel(quant.BLOCK) / quant.BLOCK
+    q = plan.INT8_BYTES
+    c = replace(C0, quant_s_per_element=0.0)
+    # 4 nodes of 8 (100 GB/s per GPU inside, 10 GB/s per node between), 1e9 bf16 parameters: inside a node a ring
+    # reduce-scatter of the 2 GB (7/8 of it, 17.5 ms); between nodes 3/4 of the int8 bytes (76 ms): the slower
+    # sets the pace; then the all-gather of int8 changes, a ring over all 32 ranks (31/32 of the int8 bytes)
+    cluster = plan.Cluster(gpus=32, gpus_per_node=8, intra_gbit=800.0, inter_gbit=80.0)
+    job = plan.Job(params=1e9, micro_batch_s=[0.1], micro_batches=4, grad_bytes=q, param_bytes=2, gather_bytes=q)
+    assert plan.int8_reduce_scatter(job, cluster, c) == pytest.approx(3 / 4 * q * 0.1)
+    assert plan.round_time(job, cluster, c) == pytest.approx(3 / 4 * q * 0.1 + 31 / 32 * q * 0.1)
+    # a flat all-to-all would send 8 x 24/32 of the int8 bytes out of each node: 8x the two levels' 3/4
+    assert plan.collective(1e9 * q, cluster, c, spelling="all_to_all") == pytest.approx(6 * q * 0.1)
+    # one node, or one GPU per node: the all-to-all over all ranks; the (de)quantising: per element, each way
+    assert plan.int8_reduce_scatter(job, flat(4, 8.0), c) == pytest.approx(3 / 4 * q)
+    kernels = replace(c, quant_s_per_element=1e-11)
+    assert plan.round_time(job, cluster, kernels) - plan.round_time(job, cluster, c) == pytest.approx(2 * 1e-2)
+    only_grads = replace(job, gather_bytes=None)  # the parameters in the model's dtype: one kernel a round
+    assert plan.round_time(only_grads, cluster, kernels) - plan.round_time(only_grads, cluster, c) == pytest.approx(
+        1e-2
+    )
+
+
 def test_step_times_of_each_method_by_hand():
     # 2 ranks on 8 Gbit/s links, 1e8 fp32 parameters: a reduce-scatter or all-gather of 400 MB takes 0.2 s
     cluster, job = flat(2, 8.0), plan.Job(params=1e8, micro_batch_s=[0.1], micro_batches=4, micro_batch_tokens=10)

@@ -11,9 +11,11 @@ from typing import Any
 from . import model as _model
 from .model import (
     FITTED,
+    INT8_BYTES,
     METHODS,
     NAMES,
     NCCL_ALPHA_US,
+    WIRES,
     Cluster,
     Constants,
     Job,
@@ -43,8 +45,9 @@ def report(job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05) ->
     lines = [
         f"Cluster: {cluster.gpus} GPUs, {cluster.nodes} node(s) of {cluster.local}, intra {cluster.intra_gbit:g} "
         f"Gbit/s per GPU, inter {cluster.inter_gbit:g} Gbit/s per node; model {job.params:.3g} parameters, "
-        f"{job.param_bytes}-byte weights, {job.grad_bytes}-byte gradients on the wire (ACCO, ZeRO-1); "
-        f"{job.micro_batches} micro-batches per rank per step of "
+        f"{job.param_bytes}-byte weights, {WIRES[job.grad_bytes]} gradients on the wire (ACCO, ZeRO-1)"
+        + (", int8 parameter changes; " if job.gather_bytes == INT8_BYTES else "; ")
+        + f"{job.micro_batches} micro-batches per rank per step of "
         f"{', '.join(f'{t:g}' for t in sorted(set(job.micro_batch_s)))} s, {job.micro_batch_tokens} tokens each.",
         f"Constants (round / all-reduce): alpha {c.alpha_s['round'] * 1e6:.0f} / {c.alpha_s['all_reduce'] * 1e6:.0f}"
         f" us, efficiency {c.efficiency['round']:.2f} / {c.efficiency['all_reduce']:.2f}; step overhead "
@@ -65,8 +68,9 @@ def report(job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05) ->
         lines.append(f"  ACCOTrainer: acco_schedule={schedule!r}, acco_accumulation={ch['accumulation']!r}, "
                      f"gradient_accumulation_steps={ch['micro_batches']}")  # fmt: skip
     if ch["method"] != "ddp":
-        wire = {4: "fp32", 2: "bf16"}[ch["grad_bytes"]]
-        lines.append(f"  acco_comm_dtype={wire!r} (gradients on the wire), acco_bucket_numel="
+        wire = WIRES[ch["grad_bytes"]]
+        gather = ", acco_gather_dtype='int8'" if job.gather_bytes == INT8_BYTES else ""
+        lines.append(f"  acco_comm_dtype={wire!r} (gradients on the wire){gather}, acco_bucket_numel="
                      f"{bucket_numel(replace(job, grad_bytes=ch['grad_bytes']), cluster, c)} (latency under 5 % "
                      "of a bucket's transfer)")  # fmt: skip
     lines += ["", _model.__doc__.split("**Collectives**")[1].split("``overhead`` is")[0].strip()]
@@ -113,7 +117,7 @@ def examples_table() -> str:
         out = main([*argv, "--quiet"])
         steps = [out["predictions"][f"{m}:{a}"]["step_s"] for m, a in METHODS]
         ch = out["recommendation"]
-        wire = {4: "fp32", 2: "bf16"}[ch["grad_bytes"]]
+        wire = WIRES[ch["grad_bytes"]]
         k = ch["micro_batches"]
         how = f"{NAMES[(ch['method'], ch['accumulation'])]}, {k} micro-batch{'es' if k > 1 else ''}"
         how += f", {wire} wire" if ch["method"] != "ddp" else ""
@@ -173,9 +177,15 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--comm_dtype",
-        choices=["auto", "bf16", "fp32"],
+        choices=["auto", "bf16", "fp32", "int8"],
         default="auto",
         help="ACCO / ZeRO-1's gradients on the wire (acco_comm_dtype; its default auto: the model's dtype)",
+    )
+    p.add_argument(
+        "--gather_dtype",
+        choices=["auto", "int8"],
+        default="auto",
+        help="ACCO / ZeRO-1's parameters in the all-gather (acco_gather_dtype; auto: the model's dtype)",
     )
     _add_model_args(p)
     return p
@@ -210,11 +220,12 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         times = [t for t, n in zip(times, args.group_gpus) for _ in range(n)]
     elif len(times) > 1:
         parser.error("several --micro_batch_s need --group_gpus (how many GPUs have each)")
-    nbytes = {"bf16": 2, "fp32": 4}
+    nbytes = {"bf16": 2, "fp32": 4, "int8": INT8_BYTES}
     wire = args.model_dtype if args.comm_dtype == "auto" else args.comm_dtype
+    gather = INT8_BYTES if args.gather_dtype == "int8" else None
     return Job(params=args.params, micro_batch_s=times, micro_batches=args.micro_batches,
                micro_batch_tokens=args.micro_batch_tokens, grad_bytes=nbytes[wire],
-               param_bytes=nbytes[args.model_dtype])  # fmt: skip
+               param_bytes=int(nbytes[args.model_dtype]), gather_bytes=gather)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

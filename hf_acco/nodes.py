@@ -1,0 +1,98 @@
+"""Which machine a rank runs on: the two levels of int8 gradients between machines (``comm_dtype="int8"``), and
+the machine named in messages.
+
+A job launched per machine (torchrun, ``accelerate launch``) numbers its ranks machine by machine and tells each
+process how many ranks its machine runs (``LOCAL_WORLD_SIZE``) and which one it is (``LOCAL_RANK``). On ``n``
+machines of ``g`` ranks each, with ``n`` and ``g`` both above 1, int8 gradients go in two levels, as ZeRO++'s
+quantised gradients (qgZ) do:
+
+1. inside each machine, a reduce-scatter in the dtype ``"auto"`` sends (over the machine's fast links): local rank
+   ``l`` gets the machine's sum of the chunks whose owners have local rank ``l`` (one on every machine);
+2. between machines, an all-to-all among the ``n`` ranks of local rank ``l`` (one per machine): each sends every
+   other owner its chunk of the machine's sum, quantised blockwise; the owner sums the ``n`` chunks in fp32, in
+   machine order.
+
+What leaves a machine is then ``(n - 1) / n`` of the gradients in int8, as a ring's ``(p - 1) / p`` would be; a flat
+all-to-all over all ``p = n g`` ranks would send ``g (p - g) / p`` of them (four times a ring's with 8 ranks on
+each of 2 machines, more with more machines). On one machine, or one rank per machine, the all-to-all is flat.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+def machines(world_size: int, ranks_per_node: int | None = None) -> tuple[int, int]:
+    """(machines, ranks per machine): ``ranks_per_node`` if given, else the launcher's ``LOCAL_WORLD_SIZE``; a flat
+    (``world_size``, 1) when machines run unequal numbers of ranks."""
+    g = ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if g < 1 or world_size % g:
+        return world_size, 1
+    return world_size // g, g
+
+
+@dataclass
+class NodeGroups:
+    """The two levels' process groups of this rank: its machine's ranks, and the ranks of its local rank."""
+
+    nodes: int
+    per_node: int
+    node: Any  # dist.ProcessGroup
+    rail: Any
+
+    def destroy(self) -> None:
+        for group in (self.node, self.rail):
+            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+
+
+def node_groups(
+    ranks: list[int], rank: int, nodes: int, per_node: int, timeout: datetime.timedelta | None, options: Any
+) -> NodeGroups:
+    """Collective (every rank of ``ranks``, the round's group's global ranks in its order): one group per machine
+    and one per local rank, every rank creating every group in the same order (torch's rule for ``new_group``)."""
+    mine_node, mine_rail = None, None
+    for a in range(nodes):
+        group = dist.new_group(ranks[a * per_node : (a + 1) * per_node], timeout=timeout, pg_options=options)
+        mine_node = group if rank // per_node == a else mine_node
+    for local in range(per_node):
+        group = dist.new_group(ranks[local::per_node], timeout=timeout, pg_options=options)
+        mine_rail = group if rank % per_node == local else mine_rail
+    return NodeGroups(nodes, per_node, mine_node, mine_rail)
+
+
+def node() -> str:
+    """Which machine this process runs on, for messages of a multi-node job: the launcher's node rank
+    (``GROUP_RANK``, set by torchrun and ``accelerate launch``) and the host's name."""
+    rank = os.environ.get("GROUP_RANK")
+    return f"node {rank}, {socket.gethostname()}" if rank is not None else socket.gethostname()
+
+
+def gloo_failure(error: BaseException) -> str:
+    """What to do when a gloo group of ACCO's (the round's counts go over gloo on the host, also on NCCL) cannot be
+    set up: the interface gloo binds and the address it resolved, and what to set."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        where = f"GLOO_SOCKET_IFNAME={interface!r}"
+    else:
+        host = socket.gethostname()
+        try:
+            address = socket.gethostbyname(host)
+        except OSError:
+            address = "no address"
+        where = f"GLOO_SOCKET_IFNAME unset: the address of the hostname {host!r} ({address})"
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    return (
+        f"ACCO could not set up its gloo group on rank {rank} ({node()}; {where}): {type(error).__name__}: {error}. "
+        "ACCO sends "
+        "each round's counts over gloo (TCP between the hosts), also when the gradients go over NCCL. Set "
+        "GLOO_SOCKET_IFNAME on every node to the network interface the nodes reach each other on (`ip -br addr`; "
+        "often the one NCCL_SOCKET_IFNAME names), and let TCP through between the nodes: the rendezvous port "
+        "(MASTER_PORT) and the ephemeral ports gloo listens on."
+    )
