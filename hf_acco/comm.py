@@ -149,6 +149,10 @@ class Communicator:
         self.max_inflight = max(1, max_inflight)
         self.in_round = False  # a round of this communicator is running (on the background thread)
 
+    def int8_rows(self) -> int:
+        """Rows of each bucket this rank quantises: one per rank (a flat all-to-all), or per machine (two levels)."""
+        return self.world_size if self.two_level is None else self.two_level.nodes
+
     def _make_groups(self, backend: str) -> None:
         """The round's group (and a gloo host group for the counts when the round's is not gloo). Collective: every
         rank, in the same order as its other groups."""
@@ -285,14 +289,16 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank), group=self.group)
 
-    def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
+    def reduce_scatter(
+        self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, feedback: quant.ErrorFeedback | None = None
+    ) -> None:
         """``shard`` <- this rank's shard of the sum over ranks of ``flat`` (``flat`` may be overwritten).
 
         ``shard`` is contiguous or ``(num_buckets, chunk)``, possibly rows of ``flat``'s own memory (this rank's own
         pieces, NCCL's in-place rule, or the bytes beside them: bucket b's row is written only once bucket b has
         been reduced). ``flat`` may be narrower than ``shard`` (bf16 on the wire, fp32 shard): the all-to-all
         spelling sums the received pieces in ``shard``'s dtype; the native one sums in ``flat``'s (as NCCL does)
-        and casts."""
+        and casts. ``feedback``: int8 gradients' error feedback (commit rounds)."""
         rows = shard.view(layout.num_buckets, layout.chunk) if shard.dim() == 1 else shard
         if self.local_copies:
             own = flat.view(layout.num_buckets, 1, layout.chunk)[:, 0]
@@ -300,7 +306,7 @@ class Communicator:
                 rows.copy_(own)
             return
         if self.quantized_gradients:
-            self._int8_reduce_scatter(layout, flat, rows)
+            self._int8_reduce_scatter(layout, flat, rows, feedback)
             return
         if self.reduce_scatter_spelling == "native":
             self._native_reduce_scatter(layout, flat, rows)
@@ -332,7 +338,9 @@ class Communicator:
             for row, out in zip(rows, outs):
                 row.copy_(out)
 
-    def _int8_reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, rows: torch.Tensor) -> None:
+    def _int8_reduce_scatter(
+        self, layout: FlatLayout, flat: torch.Tensor, rows: torch.Tensor, feedback: quant.ErrorFeedback | None
+    ) -> None:
         """The all-to-all spelling with each chunk quantised blockwise to int8 before it leaves (quant.py, about a
         quarter of fp32's bytes): the owner dequantises the chunks it receives (one per rank, or per machine in
         two levels: nodes.py) and sums them in fp32, in rank order. Bucket b is read before its row of ``rows`` is
@@ -342,9 +350,10 @@ class Communicator:
             if len(pending) >= self.max_inflight:
                 self._sum_unpacked(layout, rows, *pending.pop(0))
             if self.two_level is None:
-                send, group = quant.pack(layout.bucket(flat, b).view(layout.world_size, layout.chunk)), self.group
+                sums, group = layout.bucket(flat, b).view(layout.world_size, layout.chunk), self.group
             else:
-                send, group = quant.pack(self._machine_sum(layout, flat, b)), self.two_level.rail
+                sums, group = self._machine_sum(layout, flat, b), self.two_level.rail
+            send = quant.pack(sums) if feedback is None else feedback.pack(b, sums)
             recv = torch.empty_like(send)
             work = dist.all_to_all_single(recv, send, group=group, async_op=True)
             pending.append((b, recv, work, send))  # ``send`` outlives the collective that reads it
@@ -407,9 +416,11 @@ class DelayedCommunicator(Communicator):
         super().__init__(**kwargs)
         self.delay_s = delay_s
 
-    def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
+    def reduce_scatter(
+        self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, feedback: quant.ErrorFeedback | None = None
+    ) -> None:
         time.sleep(self.delay_s / 2)
-        super().reduce_scatter(layout, flat, shard)
+        super().reduce_scatter(layout, flat, shard, feedback)
 
     def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
         """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the int8

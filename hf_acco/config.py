@@ -197,6 +197,16 @@ class ACCOConfigMixin(_ArgsBase):
             "choices": list(GATHER_DTYPES),
         },
     )
+    acco_error_feedback: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "With acco_comm_dtype=int8: carry each optimizer step's rounding of this rank's gradients into the "
+                "next step's, so that it does not add up over steps (a float32 residual of the gradient buffer's "
+                "size per rank, or of its share per machine on several machines; saved in the checkpoint)."
+            )
+        },
+    )
     acco_allow_custom_optimizer: bool = field(
         default=False,
         metadata={
@@ -236,6 +246,8 @@ class ACCOConfigMixin(_ArgsBase):
             raise ValueError(f"acco_warmup_steps must be >= 0, got {self.acco_warmup_steps}")
         if self.acco_comm_timeout_s <= 0:
             raise ValueError(f"acco_comm_timeout_s must be > 0, got {self.acco_comm_timeout_s}")
+        if self.acco_error_feedback and self.acco_comm_dtype != "int8":
+            raise ValueError("acco_error_feedback carries int8 gradients' rounding: set acco_comm_dtype='int8' too.")
         if self.acco_grad_dtype == "bf16" and self.acco_comm_dtype == "fp32":
             raise ValueError(
                 "acco_grad_dtype='bf16' needs bf16 on the wire (acco_comm_dtype='bf16', or 'auto' with a bf16 model): "

@@ -48,6 +48,7 @@ from .halves import halves_for, round_ends_soon
 from .inflight import RoundInFlight
 from .lifecycle import EngineLifecycle
 from .optim import ShardOptimizer, check_elementwise
+from .quant import ErrorFeedback
 from .rounds import RoundBody, RoundResult, check_nonfinite
 from .schedule import (
     STEP_END,
@@ -123,6 +124,9 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             exact) or ``"int8"``: each owner sends the change of its parameters since what every rank holds,
             quantised blockwise; every rank applies the same bytes (the ranks stay identical, the rounding is
             carried into the next round, the master stays exact: ``deltas.py``).
+        error_feedback (`bool`, defaults to `False`): with ``comm_dtype="int8"``, carry each commit round's rounding
+            of this rank's gradients into the next commit round's (``quant.ErrorFeedback``; a float32 residual of
+            the buffer's size, or of its share per machine in two levels, saved in the checkpoint).
         **defaults: hyper-parameters of the inner optimizer (``lr``, ``weight_decay``, ``betas``, ...).
     """
 
@@ -148,6 +152,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         comm_dtype: str | torch.dtype = "auto",
         grad_dtype: str | torch.dtype = "fp32",
         gather_dtype: str = "auto",
+        error_feedback: bool = False,
         **defaults: Any,
     ) -> None:
         check_elementwise(optimizer_cls, allow_custom_optimizer)
@@ -156,6 +161,11 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         check_nonfinite(nonfinite)  # before the first collective: a bad setting fails alone, not in a hang
         sums = parse_comm_dtype(grad_dtype, "grad_dtype")
         int8_params = check_gather_dtype(gather_dtype)
+        if error_feedback and comm_dtype != "int8":
+            raise ValueError(
+                "error_feedback carries the rounding of int8 gradients: set comm_dtype='int8' with it, or leave it "
+                f"off (comm_dtype is {comm_dtype!r})."
+            )
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
@@ -180,12 +190,15 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             DeltaGather(self.layout, self.comm, self._params) if int8_params and not self.comm.local_copies else None
         )
         self.quantized_parameters = gather is not None
+        feedback = None
+        if error_feedback and self.comm.quantized_gradients and not self.comm.local_copies:
+            feedback = ErrorFeedback(self.layout.num_buckets, self.comm.int8_rows(), self.layout.chunk, self.device)
         self._round = RoundBody(
-            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, self.buffers.shard_grad_of, gather
+            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, self.buffers.shard_grad_of, gather, feedback
         )
         self.rounds = RoundInFlight(self._round, self.buffers, self.stats, self.halves)
         self._boundary = BoundaryState(  # the last step boundary, for state_dict
-            self.layout, self.comm, self.shard, self._params, keep_copy=self.schedule is Schedule.ACCO
+            self.layout, self.comm, self.shard, self._params, self.schedule is Schedule.ACCO, feedback
         )
         self._model_moved = False  # the model no longer holds the last boundary's parameters (acco, after A→B)
         self.step_count = 0  # committed optimizer steps launched

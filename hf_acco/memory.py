@@ -102,6 +102,7 @@ def engine_memory(
     optimizer: str = "fused",
     gather_dtype: str = "auto",
     ranks_per_node: int = 1,
+    error_feedback: bool = False,
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
     quantized = comm_dtype == "int8"  # the round is handed the sums "auto" sends (the model's dtype), packs them
@@ -124,6 +125,12 @@ def engine_memory(
         "shard gradient (fp32; 0: in the round's buffer)": 0 if room else shard * SHARD_GRAD_DTYPE.itemsize,
         "optimizer state shard (fp32)": state_per_element * shard * fp32,
     }
+    if error_feedback:  # quant.ErrorFeedback: one fp32 row per row this rank quantises (nodes.py), every bucket
+        if not quantized:
+            raise ValueError("error_feedback is for int8 gradients (comm_dtype='int8')")
+        nodes, per_node = machines(world_size, ranks_per_node)
+        rows = nodes if nodes > 1 and per_node > 1 else world_size
+        persistent["int8 error feedback residual (fp32)"] = layout.num_buckets * rows * layout.chunk * fp32
     window = min(shard, estimate_window(shard))
     # the estimate writes into the round buffer's own pieces: in fp32 straight there, unless they hold the gradient
     # (room "own") or are narrower (a bf16 buffer)
@@ -193,6 +200,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         comm_dtype="int8" if opt.comm.quantized_gradients else opt.buffers.comm_dtype,
         gather_dtype="int8" if opt.quantized_parameters else "auto",
         ranks_per_node=opt.comm.two_level.per_node if opt.comm.two_level is not None else 1,
+        error_feedback=opt._round.feedback is not None,
         grad_dtype=opt.buffers.accum.dtype,
         schedule=opt.schedule.value,
         backend=opt.comm.backend,
@@ -254,6 +262,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gather_dtype", choices=GATHER_DTYPES, default="auto", help="parameters in the all-gather")
     p.add_argument("--grad_dtype", choices=sorted(DTYPES), default="fp32", help="gradient accumulation")
+    p.add_argument("--error_feedback", action="store_true", help="int8 gradients' residual (with --comm_dtype int8)")
     p.add_argument("--schedule", choices=["acco", "dpu", "sync"], default="acco")
     p.add_argument(
         "--optimizer", choices=OPTIMIZERS, default="fused", help="the inner AdamW (Trainer's default: fused)"
@@ -272,12 +281,15 @@ def main(argv: list[str] | None = None) -> None:
         check_grad_dtype(grad, sent, param)
     except ValueError as e:
         p.error(str(e))
+    if args.error_feedback and args.comm_dtype != "int8":
+        p.error("--error_feedback is for int8 gradients: add --comm_dtype int8")
     report = engine_memory(
         numel, args.world_size, param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule,
         optimizer=args.optimizer, gather_dtype=args.gather_dtype, ranks_per_node=args.gpus_per_node,
+        error_feedback=args.error_feedback,
     )  # fmt: skip
     settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(wire), "grad_dtype": args.grad_dtype}
-    settings["gather_dtype"] = args.gather_dtype
+    settings.update(gather_dtype=args.gather_dtype, error_feedback=args.error_feedback)
     settings.update(schedule=args.schedule, optimizer=args.optimizer)
     if not args.json:
         print(table(report, numel, args.world_size, param, settings, args.gpus_per_node))
@@ -285,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {"unit": "bytes (GB = 10^9 bytes; GiB = 2^30)", "params": numel, "world_size": args.world_size}
     out.update(gpus_per_node=args.gpus_per_node, param_dtype=args.param_dtype, comm_dtype=_name(wire))
     out.update(grad_dtype=args.grad_dtype, gather_dtype=args.gather_dtype, schedule=args.schedule)
+    out.update(error_feedback=args.error_feedback)
     out.update(optimizer=args.optimizer)
     out.update(persistent_bytes=report.persistent_bytes, round_pool_bytes=report.round_pool_bytes)
     out.update(peak_bytes=report.peak_bytes, host_pinned_bytes_per_rank=report.host_bytes)

@@ -85,3 +85,27 @@ def error_bound(rows: torch.Tensor) -> torch.Tensor:
     step = absmax / QMAX
     bound = step * 0.5 + absmax * 4 * torch.finfo(torch.float32).eps
     return bound.unsqueeze(-1).expand(r, nb, BLOCK).reshape(r, -1)[:, :n]
+
+
+class ErrorFeedback:
+    """Error feedback for int8 gradients: the rounding of each row this rank quantised, added to the same row of
+    the next commit round before it is quantised again, so that what the owners receive adds up, round after
+    round, to what was sent within one rounding (``sum of dequantised = sum of inputs - the last residual``)
+    instead of one rounding a round.
+
+    One float32 residual per row this rank quantises: (buckets, rows, chunk), the rows every rank's chunk of a
+    bucket (a flat all-to-all) or its machine's sums (two levels, ``nodes.py``). Only commit rounds use it: an
+    estimate round updates no state, so a checkpoint taken in the middle of a step holds the boundary's residual.
+    """
+
+    def __init__(self, num_buckets: int, rows: int, chunk: int, device: torch.device) -> None:
+        self.residual = torch.zeros(num_buckets, rows, chunk, dtype=torch.float32, device=device)
+
+    def pack(self, b: int, rows: torch.Tensor) -> torch.Tensor:
+        """``pack(rows + residual[b])``; ``residual[b]`` <- what that rounding lost (zero where it is not finite:
+        a step whose gradient is not finite is skipped, its rounding is not carried)."""
+        x = rows.float() + self.residual[b]
+        packed = pack(x)
+        lost = x.sub_(unpack(packed, rows.shape[-1]))
+        self.residual[b].copy_(torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+        return packed

@@ -20,6 +20,7 @@ import torch
 
 from .comm import Communicator
 from .optim import ShardOptimizer, overlaps
+from .quant import ErrorFeedback
 from .schedule import RoundKind
 from .sharding import FlatLayout
 
@@ -104,6 +105,7 @@ class RoundBody:
         max_grad_norm: clip the averaged gradient to this global norm (``None``: no clipping).
         nonfinite: ``"skip"`` an update whose averaged gradient has an inf/NaN, or ``"error"``.
         gather: the all-gather of a round's output (``None``: exact, in the model's dtype).
+        feedback: int8 gradients' error feedback, carried from commit round to commit round.
     """
 
     def __init__(
@@ -115,10 +117,12 @@ class RoundBody:
         nonfinite: str = "skip",
         shard_grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda grads: None,
         gather: Callable[[torch.Tensor], None] | None = None,
+        feedback: ErrorFeedback | None = None,
     ) -> None:
         self.layout, self.comm, self.shard = layout, comm, shard
         # 7.'s all-gather of the output (this rank's pieces in place): exact, or int8 changes (deltas.DeltaGather)
         self.gather_output = gather if gather is not None else lambda flat: comm.all_gather(layout, None, flat)
+        self.feedback = feedback  # int8 gradients' error feedback, for commit rounds (quant.ErrorFeedback)
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.rank = comm.rank
@@ -191,7 +195,10 @@ class RoundBody:
             # buffer where it has room (its own pieces, or beside them); from here on the rest of the buffer is free
             # for the output, and this rank's output pieces once the update has read the gradient
             grad = shard.use_grad(self.shard_grad_of(grads))
-            comm.reduce_scatter(layout, grads, grad)
+            if self.feedback is not None and kind is RoundKind.COMMIT:  # (a Communicator subclass without the
+                comm.reduce_scatter(layout, grads, grad, self.feedback)  # argument still runs the other rounds)
+            else:
+                comm.reduce_scatter(layout, grads, grad)
             # an output narrower than the gradient it overwrites (a bf16 model, fp32 on the wire, the gradient in
             # this rank's own pieces): the update is computed in place of the gradient first, then rounded
             narrow = buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()

@@ -18,6 +18,7 @@ import torch
 from .buffers import BufferPair, model_dtype
 from .comm import Communicator
 from .optim import ShardOptimizer
+from .quant import ErrorFeedback
 from .rounds import put_own_pieces
 from .sharding import FlatLayout, unshard
 
@@ -37,9 +38,16 @@ class BoundaryState:
     """
 
     def __init__(
-        self, layout: FlatLayout, comm: Communicator, shard: ShardOptimizer, params: list, keep_copy: bool
+        self,
+        layout: FlatLayout,
+        comm: Communicator,
+        shard: ShardOptimizer,
+        params: list,
+        keep_copy: bool,
+        feedback: ErrorFeedback | None = None,
     ) -> None:
         self.layout, self.comm, self.shard, self.params = layout, comm, shard, params
+        self.feedback = feedback  # int8 gradients' residual: this rank's, saved and restored with the shard
         self.param_dtype = model_dtype(params)
         self._pieces = layout.shard_param_pieces(comm.rank)  # (parameter, shard start, shard end)
         self.copy: torch.Tensor | None = None  # acco: the boundary's model shard, once captured
@@ -110,7 +118,7 @@ class BoundaryState:
         def host(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to("cpu", copy=True)
 
-        return {
+        state = {
             "format": STATE_FORMAT,
             "rank": self.comm.rank,
             "layout": self.layout.meta(),
@@ -123,6 +131,9 @@ class BoundaryState:
             "optim_state": {k: host(v) for k, v in flat_state.items()},
             "optim_scalars": {k: host(v) for k, v in scalars.items()},
         }
+        if self.feedback is not None:  # updated by commit rounds only: the boundary's, also in the middle of a step
+            state["int8_residual"] = host(self.feedback.residual)
+        return state
 
     def check(self, state_dict: Any, schedule: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """Validate ``state_dict``; returns the map from a saved vector to this rank's shard."""
@@ -159,6 +170,12 @@ class BoundaryState:
         if self.copy is not None:  # the model may move at the next A→B boundary: keep its state here
             self.copy.copy_(model_shard)
             self.captured = True
+        if self.feedback is not None:  # this rank's own rounding: none after a re-sharding (consolidated) load
+            saved = state_dict.get("int8_residual")
+            if saved is not None and saved.shape == self.feedback.residual.shape:
+                self.feedback.residual.copy_(saved)
+            else:
+                self.feedback.residual.zero_()
         self.pending = state_dict["pending_commit"]
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
             output = buffers.params_of(buffers.wire)
@@ -273,7 +290,8 @@ def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     def merge(get) -> torch.Tensor:
         return unshard([get(s) for s in shards], meta["num_buckets"], meta["chunk"], meta["numel"])
 
-    out = {k: v for k, v in shards[0].items() if k not in ("master", "model", "optim_state", "rank")}
+    per_rank = ("master", "model", "optim_state", "rank", "int8_residual")  # the residual: each rank's own rounding
+    out = {k: v for k, v in shards[0].items() if k not in per_rank}
     out.update(
         consolidated=True,
         master=merge(lambda s: s["master"]),

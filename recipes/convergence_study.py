@@ -23,13 +23,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ALPACA_LR = 1e-3
+INT8 = ["--method", "acco", "--acco_comm_dtype", "int8", "--acco_gather_dtype", "int8"]  # gradients and parameters
 METHODS = {  # name -> pretrain_clm.py arguments
     "ddp": ["--method", "ddp"],
     "acco": ["--method", "acco"],
     "dpu": ["--method", "dpu"],
     "sync": ["--method", "sync"],
     "dpu+warmup": ["--method", "dpu", "--acco_warmup_steps", "30"],
+    "acco-int8": INT8,
+    "acco-int8+ef": [*INT8, "--acco_error_feedback", "true"],
 }
+DEFAULT_METHODS = ["ddp", "acco", "dpu", "sync", "dpu+warmup"]  # the int8 wires: --methods acco acco-int8 ...
 
 
 def run(method: str, seed: int, args: argparse.Namespace) -> dict:
@@ -192,7 +196,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument(
         "--first_seed_only",

@@ -110,7 +110,7 @@ class FakeComm:
         self.calls.append("all_reduce_counts")
         return list(counts)
 
-    def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
+    def reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, feedback=None) -> None:
         self.calls.append("reduce_scatter")
         shard.copy_(flat.view(layout.num_buckets, 1, layout.chunk)[:, 0])  # shard: (num_buckets, chunk)
 

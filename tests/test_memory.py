@@ -139,6 +139,12 @@ def test_the_cli_prints_one_json_object_for_7b_on_8_ranks() -> None:
     (levels,) = (v for k, v in report(*wide)["round_pool"].items() if "two levels" in k)
     (flat,) = (v for k, v in report(*wide, "--gpus_per_node", "1")["round_pool"].items() if "reduce-scatter" in k)
     assert 0.5 < levels / 1e9 < flat / 1e9
+    # error feedback: an fp32 residual per row this rank quantises: the whole buffer (28 GB for 7B) on one machine of
+    # 8, an eighth of it per rank on 2 machines of 8 (two levels: one row per machine)
+    ef = report("--param_dtype", "bf16", "--comm_dtype", "int8", "--error_feedback")
+    assert ef["persistent"]["int8 error feedback residual (fp32)"] / 1e9 == pytest.approx(28.0, abs=0.01)
+    ef16 = report(*wide, "--error_feedback")
+    assert ef16["persistent"]["int8 error feedback residual (fp32)"] / 1e9 == pytest.approx(28.0 / 8, abs=0.01)
     assert default["host"][BOUNDARY] / 1e9 == pytest.approx(1.75, abs=0.005)  # the bf16 boundary shard
     assert default["host_pinned_bytes_per_rank"] == 2**31  # as torch's pinned allocator rounds it
     for numel in (125e6, 1.3e9, 6738415616):  # smaller shards, Llama-2-7B's size: the pool within one fp32 shard
@@ -149,3 +155,15 @@ def test_the_cli_prints_one_json_object_for_7b_on_8_ranks() -> None:
     cmd = [sys.executable, "-m", "hf_acco.memory", "--params", "7e9"]
     text = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout
     assert "GiB" in text and "pinned per node" in text
+
+
+def _residual(rank: int, world_size: int) -> tuple[int, int]:
+    opt = ACCOOptimizer(tiny_llama().parameters(), comm_dtype="int8", error_feedback=True, bucket_numel=3000, lr=1e-3)
+    held, report = opt._round.feedback.residual.nbytes, engine_memory_of(opt).persistent
+    opt.close()
+    return held, report["int8 error feedback residual (fp32)"]
+
+
+def test_the_error_feedback_residual_is_what_the_engine_holds() -> None:
+    for held, reported in run_ranks(_residual, world_size=2):
+        assert held == reported > 0

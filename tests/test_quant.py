@@ -330,3 +330,49 @@ def test_the_two_levels_follow_the_launchers_numbering_else_the_all_to_all_stays
     assert run_ranks(_levels_from_the_launcher, world_size=4, local_rank=[0, 1, 0, 1]) == [True] * 4
     # machines not numbered machine by machine (a hand-made launch): every rank falls back to the flat all-to-all
     assert run_ranks(_levels_from_the_launcher, world_size=4, local_rank=[1, 0, 0, 1]) == [False] * 4
+
+
+def _feedback_rounds(rank: int, world_size: int, feedback: bool, rounds: int) -> dict:
+    """The same gradient sums reduce-scattered ``rounds`` times, with or without error feedback."""
+    from hf_acco.comm import Communicator
+    from hf_acco.sharding import FlatLayout
+
+    params = [torch.zeros(700), torch.zeros(33, 17)]
+    layout = FlatLayout(params, ["a", "b"], [0, 0], world_size, bucket_numel=600)
+    data = [_rows(1, layout.padded_numel, seed=r)[0] for r in range(world_size)]
+    comm = Communicator()
+    comm.use_int8_gradients()
+    residual = quant.ErrorFeedback(layout.num_buckets, comm.int8_rows(), layout.chunk, torch.device("cpu"))
+    total = torch.zeros(layout.num_buckets, layout.chunk, dtype=torch.float64)
+    for _ in range(rounds):
+        shard = torch.empty(layout.num_buckets, layout.chunk)
+        comm.reduce_scatter(layout, data[rank].clone(), shard, residual if feedback else None)
+        total += shard.double()
+    comm.destroy()
+    mine = lambda d, b: layout.piece(d, b, rank)  # noqa: E731
+    exact = torch.stack([sum(mine(d, b).double() for d in data) for b in range(layout.num_buckets)])
+    one = torch.stack(
+        [sum(quant.error_bound(mine(d, b).unsqueeze(0))[0] for d in data) for b in range(layout.num_buckets)]
+    )
+    return {
+        "error": (total - rounds * exact).abs(),
+        "one_rounding": one.double(),
+        "residual": residual.residual.abs().max(),
+    }
+
+
+def test_error_feedback_keeps_the_sum_over_rounds_within_one_rounding() -> None:
+    """What the owner receives over 6 rounds of the same sums: with error feedback, 6 x the exact sum within about
+    one rounding of each rank's (sum of dequantised = sum of inputs - the last residual); without, the same
+    rounding 6 times over."""
+    rounds = 6
+    for r in run_ranks(_feedback_rounds, feedback=True, rounds=rounds):
+        assert torch.all(r["error"] <= 1.05 * r["one_rounding"] + 1e-9)
+        assert r["residual"] > 0
+    without = run_ranks(_feedback_rounds, feedback=False, rounds=rounds)[0]
+    assert (without["error"] > 2 * without["one_rounding"]).any()
+
+
+def test_error_feedback_needs_int8_gradients() -> None:
+    with pytest.raises(ValueError, match="error_feedback carries the rounding of int8 gradients"):
+        ACCOOptimizer(tiny_llama().parameters(), error_feedback=True, lr=1e-3)

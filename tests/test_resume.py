@@ -39,6 +39,7 @@ def build(
     fused: bool | None = None,
     comm_dtype: str = "auto",
     gather_dtype: str = "auto",
+    error_feedback: bool = False,
 ) -> tuple[torch.nn.Module, ACCOOptimizer]:
     model = tiny_llama(seed=seed)
     micro_batches = PER_VIRTUAL[virtual] * virtual // world_size
@@ -50,6 +51,7 @@ def build(
         fused=fused,
         comm_dtype=comm_dtype,
         gather_dtype=gather_dtype,
+        error_feedback=error_feedback,
         **HP,
     )
     return model, opt
@@ -84,9 +86,10 @@ def train(
     fused: bool | None = None,
     comm_dtype: str = "auto",
     gather_dtype: str = "auto",
+    error_feedback: bool = False,
 ):
     seed = 0 if load is None else 123  # a resumed run starts from other weights: everything must come from the files
-    wire = {"comm_dtype": comm_dtype, "gather_dtype": gather_dtype}
+    wire = {"comm_dtype": comm_dtype, "gather_dtype": gather_dtype, "error_feedback": error_feedback}
     model, opt = build(world_size, schedule, seed=seed, virtual=virtual, fused=fused, **wire)
     if load is not None:
         load_optimizer_state(opt, load)
@@ -145,23 +148,27 @@ def test_checkpoint_from_the_middle_of_a_step_resumes_exactly(tmp_path: Path, sc
 
 
 @pytest.mark.parametrize(
-    ("schedule", "into_step", "comm_dtype", "gather_dtype"),
+    ("schedule", "into_step", "comm_dtype", "gather_dtype", "error_feedback"),
     [
-        ("acco", 0, "int8", "auto"),
-        ("acco", 3, "int8", "int8"),
-        ("sync", 0, "int8", "int8"),
-        ("dpu", 1, "auto", "int8"),
+        ("acco", 0, "int8", "auto", False),
+        ("acco", 3, "int8", "int8", True),
+        ("sync", 0, "int8", "int8", True),
+        ("dpu", 1, "auto", "int8", False),
     ],
 )
 def test_int8_on_the_wire_resumes_exactly(
-    tmp_path: Path, schedule: str, into_step: int, comm_dtype: str, gather_dtype: str
+    tmp_path: Path, schedule: str, into_step: int, comm_dtype: str, gather_dtype: str, error_feedback: bool
 ) -> None:
-    """int8 gradients, and int8 parameter changes (a pending commit round's output rebuilt on load from the same
-    base, the boundary's model, as the round built it)."""
-    wire = {"comm_dtype": comm_dtype, "gather_dtype": gather_dtype}
+    """int8 gradients, int8 parameter changes (a pending commit round's output rebuilt on load from the same base,
+    the boundary's model, as the round built it) and error feedback (its residual saved and restored; in the middle
+    of a step, the boundary's: only commit rounds change it)."""
+    wire = {"comm_dtype": comm_dtype, "gather_dtype": gather_dtype, "error_feedback": error_feedback}
     straight = _resumes_exactly(tmp_path, into_step, schedule=schedule, **wire)
     exact = run_ranks(train, start=0, stop=6, load=None, save=None, schedule=schedule)
     assert not _equal(exact[0]["committed"], straight[0]["committed"])  # the quantisation is in the run
+    if error_feedback:
+        saved = torch.load(next(tmp_path.glob("*rank0*")), weights_only=True)
+        assert saved["int8_residual"].abs().max() > 0
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])

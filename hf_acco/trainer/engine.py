@@ -164,6 +164,7 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
         comm_dtype=acco_setting(args, "acco_comm_dtype"),
         grad_dtype=acco_setting(args, "acco_grad_dtype"),
         gather_dtype=acco_setting(args, "acco_gather_dtype"),
+        error_feedback=acco_setting(args, "acco_error_feedback"),
         allow_custom_optimizer=True,  # checked just above, with the advice that fits Trainer
         **optimizer_kwargs,
     )
