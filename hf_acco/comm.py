@@ -200,7 +200,7 @@ class Communicator:
 
     def _make_node_groups(self) -> None:
         nodes, per_node = machines(self.world_size, self.ranks_per_node)
-        if nodes == 1 or per_node == 1 or self.local_copies:
+        if nodes == 1 or per_node == 1 or self.local_copies or self.two_level is not None:
             return
         if self.ranks_per_node is None:  # the launcher's numbering, machine by machine, on every rank; else flat
             local = int(os.environ.get("LOCAL_RANK", self.rank % per_node))

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
 from .comm import Communicator, warn_if_one_hardware_queue
-from .deltas import DeltaGather, check_gather_dtype
+from .deltas import DeltaGather, int8_settings
 from .halves import halves_for, round_ends_soon
 from .inflight import RoundInFlight
 from .lifecycle import EngineLifecycle
@@ -160,12 +160,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.schedule, self.accumulation = parse_settings(schedule, accumulation, *counts)
         check_nonfinite(nonfinite)  # before the first collective: a bad setting fails alone, not in a hang
         sums = parse_comm_dtype(grad_dtype, "grad_dtype")
-        int8_params = check_gather_dtype(gather_dtype)
-        if error_feedback and comm_dtype != "int8":
-            raise ValueError(
-                "error_feedback carries the rounding of int8 gradients: set comm_dtype='int8' with it, or leave it "
-                f"off (comm_dtype is {comm_dtype!r})."
-            )
+        int8_params = int8_settings(comm_dtype, gather_dtype, error_feedback)
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
@@ -173,8 +168,6 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         wire, quantized = parse_wire(comm_dtype, self._params)
         check_grad_dtype(sums, wire, model_dtype(self._params))  # before the first collective, as above
         self.comm = communicator if communicator is not None else Communicator(group)
-        if quantized:
-            self.comm.use_int8_gradients()  # collective: two levels on several machines (nodes.py)
         self.layout = FlatLayout(
             self._params, [n for n, _, _ in named], [g for _, _, g in named], self.comm.world_size, bucket_numel,
             backend=self.comm.backend,
@@ -185,20 +178,10 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
         self.halves = halves_for(self.accumulation, *counts)
         self.stats = EngineStats()
-        # nothing on a wire with one rank (local copies): its output is exact, as its gradients are
-        gather = (
-            DeltaGather(self.layout, self.comm, self._params) if int8_params and not self.comm.local_copies else None
-        )
-        self.quantized_parameters = gather is not None
-        feedback = None
-        if error_feedback and self.comm.quantized_gradients and not self.comm.local_copies:
-            feedback = ErrorFeedback(self.layout.num_buckets, self.comm.int8_rows(), self.layout.chunk, self.device)
-        self._round = RoundBody(
-            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, self.buffers.shard_grad_of, gather, feedback
-        )
+        self._round = self._build_round(max_grad_norm, nonfinite, quantized, int8_params, error_feedback)
         self.rounds = RoundInFlight(self._round, self.buffers, self.stats, self.halves)
         self._boundary = BoundaryState(  # the last step boundary, for state_dict
-            self.layout, self.comm, self.shard, self._params, self.schedule is Schedule.ACCO, feedback
+            self.layout, self.comm, self.shard, self._params, self.schedule is Schedule.ACCO, self._round.feedback
         )
         self._model_moved = False  # the model no longer holds the last boundary's parameters (acco, after A→B)
         self.step_count = 0  # committed optimizer steps launched
@@ -206,6 +189,24 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self._joined = False  # in a rendezvous: this rank computes nothing until every rank has joined
         self._restart_step()
         self.buffers.attach()  # last: if anything above raised, the model's gradients are as they were
+
+    def _build_round(
+        self, max_grad_norm: float | None, nonfinite: str, int8_grads: bool, int8_params: bool, error_feedback: bool
+    ) -> RoundBody:
+        """The body of every round, with int8 gradients, parameter changes and error feedback where asked (int8
+        gradients: collective, two levels on several machines, nodes.py). Nothing goes on a wire with one rank
+        (local copies): its output and gradients are exact there."""
+        if int8_grads:
+            self.comm.use_int8_gradients()
+        wired = not self.comm.local_copies
+        gather = DeltaGather(self.layout, self.comm, self._params) if int8_params and wired else None
+        self.quantized_parameters = gather is not None
+        feedback = None
+        if error_feedback and self.comm.quantized_gradients and wired:
+            feedback = ErrorFeedback(self.layout.num_buckets, self.comm.int8_rows(), self.layout.chunk, self.device)
+        return RoundBody(
+            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, self.buffers.shard_grad_of, gather, feedback
+        )
 
     def _build_buffers(self, wire: torch.dtype, sums: torch.dtype) -> BufferPair:
         """The gradient buffer pair, on the parameters' device, checked alike on every rank (collective)."""

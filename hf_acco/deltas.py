@@ -41,6 +41,17 @@ def check_gather_dtype(value: str) -> bool:
     return value == "int8"
 
 
+def int8_settings(comm_dtype: object, gather_dtype: str, error_feedback: bool) -> bool:
+    """Whether the parameters travel as int8 changes (``gather_dtype``); refuses an unknown one, and error feedback
+    without int8 gradients (before any collective: a bad setting fails alone, not in a hang)."""
+    if error_feedback and comm_dtype != "int8":
+        raise ValueError(
+            "error_feedback carries the rounding of int8 gradients: set comm_dtype='int8' with it, or leave it off "
+            f"(comm_dtype is {comm_dtype!r})."
+        )
+    return check_gather_dtype(gather_dtype)
+
+
 class ModelPieces:
     """The model's parameters piece by piece of the flat layout: (bucket b, rank r) -> runs of one parameter each.
 

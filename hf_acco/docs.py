@@ -233,6 +233,41 @@ def bf16_wire_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def int8_wire_table() -> str:
+    """``recipes/convergence_study.py --methods acco-int8 acco-int8+ef``: int8 gradients and parameter changes,
+    with and without error feedback, against the study's ``acco`` (fp32 on the wire) seed by seed: final validation
+    loss, its gap (of the seed means), the largest gap at any evaluation (of the seed-mean curves, and of any one
+    seed); and the study's ``acco`` seed 0 rerun beside the committed one (the same command on this code)."""
+    fp32 = {r["seed"]: r for r in _load("convergence/convergence.json")["runs"] if r["method"] == "acco"}
+    study = _load("convergence/int8_wire/convergence.json")["runs"]
+    rows = [
+        "| method | seeds | final val loss (per seed) | mean | gap to acco, fp32 wire | max gap, seed means | "
+        "max gap, any seed |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    for method in dict.fromkeys(r["method"] for r in study):
+        runs = sorted((r for r in study if r["method"] == method), key=lambda r: r["seed"])
+        bases = [fp32[r["seed"]] for r in runs]
+        assert all(r["eval_steps"] == b["eval_steps"] for r, b in zip(runs, bases)), method
+        curves = [mean(vs) for vs in zip(*(r["val_losses"] for r in runs))]
+        base_curve = [mean(vs) for vs in zip(*(b["val_losses"] for b in bases))]
+        any_seed = max(abs(x / y - 1) for r, b in zip(runs, bases) for x, y in zip(r["val_losses"], b["val_losses"]))
+        final, base = mean([r["final_val_loss"] for r in runs]), mean([b["final_val_loss"] for b in bases])
+        seeds = ", ".join(f"{r['final_val_loss']:.4f}" for r in runs)
+        rows.append(
+            f"| {method} | {len(runs)} | {seeds} | {final:.4f} | "
+            f"{final / base - 1:+.2%} | {max(abs(x / y - 1) for x, y in zip(curves, base_curve)):.2%} | "
+            f"{any_seed:.2%} |"
+        )
+    rerun = _load("convergence/int8_wire/acco_fp32_seed0_rerun.json")
+    rows.append(
+        f"\nThe study's `acco` seed 0 rerun on this code: final validation loss {rerun['final_val_loss']:.4f} "
+        f"(committed: {fp32[0]['final_val_loss']:.4f})."
+    )
+    return "\n".join(rows) + "\n"
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "benchmark": benchmark_table,
     "benchmark-rerun": lambda: benchmark_table("benchmark/rerun_2026-12-02/benchmark.json"),
@@ -254,6 +289,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),
     "heterogeneous-trainer": lambda: (RESULTS / "heterogeneous_trainer" / "table.md").read_text(),
     "bf16-wire-convergence": lambda: bf16_wire_table(),
+    "int8-wire-convergence": int8_wire_table,
 }
 
 

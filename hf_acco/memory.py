@@ -105,12 +105,7 @@ def engine_memory(
     error_feedback: bool = False,
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
-    quantized = comm_dtype == "int8"  # the round is handed the sums "auto" sends (the model's dtype), packs them
-    int8_params = check_gather_dtype(gather_dtype)
-    if isinstance(comm_dtype, str):
-        if comm_dtype not in ("auto", "int8"):
-            raise ValueError(f"comm_dtype is a torch dtype, 'auto' (the model's) or 'int8', got {comm_dtype!r}")
-        comm_dtype = param_dtype
+    comm_dtype, quantized = _wire(comm_dtype, param_dtype)
     layout = FlatLayout([torch.empty(numel, device="meta")], ["all"], [0], world_size, bucket_numel, backend)
     full, shard = layout.padded_numel, layout.shard_numel
     fp32 = torch.float32.itemsize
@@ -125,12 +120,10 @@ def engine_memory(
         "shard gradient (fp32; 0: in the round's buffer)": 0 if room else shard * SHARD_GRAD_DTYPE.itemsize,
         "optimizer state shard (fp32)": state_per_element * shard * fp32,
     }
-    if error_feedback:  # quant.ErrorFeedback: one fp32 row per row this rank quantises (nodes.py), every bucket
+    if error_feedback:
         if not quantized:
             raise ValueError("error_feedback is for int8 gradients (comm_dtype='int8')")
-        nodes, per_node = machines(world_size, ranks_per_node)
-        rows = nodes if nodes > 1 and per_node > 1 else world_size
-        persistent["int8 error feedback residual (fp32)"] = layout.num_buckets * rows * layout.chunk * fp32
+        persistent["int8 error feedback residual (fp32)"] = residual_bytes(layout, ranks_per_node)
     window = min(shard, estimate_window(shard))
     # the estimate writes into the round buffer's own pieces: in fp32 straight there, unless they hold the gradient
     # (room "own") or are narrower (a bf16 buffer)
@@ -150,8 +143,27 @@ def engine_memory(
         "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
         + shard * param_dtype.itemsize,
     }
+    int8_params = check_gather_dtype(gather_dtype)
     round_pool.update(wire_pool(layout, comm_dtype, quantized, int8_params, backend, max_inflight, ranks_per_node))
     return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
+
+
+def _wire(comm_dtype: torch.dtype | str, param_dtype: torch.dtype) -> tuple[torch.dtype, bool]:
+    """(the dtype of the sums a round is handed, whether it packs them to int8): "auto" and "int8" hand it the
+    model's dtype."""
+    if not isinstance(comm_dtype, str):
+        return comm_dtype, False
+    if comm_dtype not in ("auto", "int8"):
+        raise ValueError(f"comm_dtype is a torch dtype, 'auto' (the model's) or 'int8', got {comm_dtype!r}")
+    return param_dtype, comm_dtype == "int8"
+
+
+def residual_bytes(layout: FlatLayout, ranks_per_node: int) -> int:
+    """quant.ErrorFeedback's residual: one fp32 row per row this rank quantises (a flat all-to-all: one per rank;
+    two levels, nodes.py: one per machine), every bucket."""
+    nodes, per_node = machines(layout.world_size, ranks_per_node)
+    rows = nodes if nodes > 1 and per_node > 1 else layout.world_size
+    return layout.num_buckets * rows * layout.chunk * torch.float32.itemsize
 
 
 def wire_pool(

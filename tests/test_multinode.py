@@ -121,3 +121,17 @@ def test_sync_on_two_machines_with_private_directories_resumes_after_a_preemptio
     assert launch(out, [*steps, "--resume", "last"], private) == [0, 0]
     for machine in range(2):
         assert _close(final_params(private[machine]), expected)
+
+
+@pytest.mark.slow
+def test_int8_on_two_machines_resumes_after_a_preemption(tmp_path: Path) -> None:
+    """int8 gradients (in two levels: the launcher's LOCAL_WORLD_SIZE=2 on each machine), int8 parameter changes and
+    error feedback, through a real two-machine launch, a pre-emption and a resume."""
+    wire = '{"acco_comm_dtype": "int8", "acco_gather_dtype": "int8", "acco_error_feedback": true}'
+    steps = [*STEPS, "--extra", wire]
+    assert launch(tmp_path / "straight", steps) == [0, 0]
+    expected = final_params(tmp_path / "straight")
+    out = tmp_path / "out"
+    assert launch(out, [*steps, "--kill_rank1_at_step", "6"]) != [0, 0]
+    assert launch(out, [*steps, "--resume", "last"]) == [0, 0]
+    assert _close(final_params(out), expected)
