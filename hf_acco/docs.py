@@ -96,17 +96,18 @@ def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
     return "\n".join(rows) + "\n"
 
 
-def methods_table(*paths: str) -> str:
+def methods_table(*paths: str, baseline: str = "ddp") -> str:
     """Every method of the shaped settings of these benchmark.json files: step, bytes, time to target, each
-    against DDP's in the same setting."""
+    against the ``baseline`` method's (DDP's) in the same setting."""
+    label = "DDP" if baseline == "ddp" else baseline
     rows = [
-        "| setting | method | step (s) | step / DDP's | MB per step per rank | time to target / DDP's |",
+        f"| setting | method | step (s) | step / {label}'s | MB per step per rank | time to target / {label}'s |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for path in paths:
         runs = [r for r in _load(path)["runs"] if r["setting"] != "loopback"]
         for r in runs:
-            ddp = next(d for d in runs if d["setting"] == r["setting"] and d["method"] == "ddp")
+            ddp = next(d for d in runs if d["setting"] == r["setting"] and d["method"] == baseline)
             name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
             rows.append(
                 f"| {r['setting']} ({r['link_mbit']:.0f} Mbit/s) | {name} | {r['step_time_s']:.3f} | "
@@ -238,7 +239,8 @@ def int8_wire_table() -> str:
     with and without error feedback, against the study's ``acco`` (fp32 on the wire) seed by seed: final validation
     loss, its gap (of the seed means), the largest gap at any evaluation (of the seed-mean curves, and of any one
     seed); and the study's ``acco`` seed 0 rerun beside the committed one (the same command on this code)."""
-    fp32 = {r["seed"]: r for r in _load("convergence/convergence.json")["runs"] if r["method"] == "acco"}
+    study_runs = _load("convergence/convergence.json")["runs"]  # (and the Alpaca chain's, without a val loss)
+    fp32 = {r["seed"]: r for r in study_runs if r["method"] == "acco" and "final_val_loss" in r}
     study = _load("convergence/int8_wire/convergence.json")["runs"]
     rows = [
         "| method | seeds | final val loss (per seed) | mean | gap to acco, fp32 wire | max gap, seed means | "
@@ -276,6 +278,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
         "benchmark/heterogeneous/slow2x_ratio1/benchmark.json",
     ),
     "benchmark-bf16": lambda: methods_table("benchmark/bf16_wire/benchmark.json"),
+    "benchmark-int8": lambda: methods_table("benchmark/int8_wire/benchmark.json", baseline="ddp-bf16"),
     "scaling": scaling_table,
     "options": options_table,
     "planner-examples": planner_examples,
