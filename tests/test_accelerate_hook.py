@@ -66,7 +66,7 @@ def test_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:
         assert all(torch.equal(a, b) for a, b in zip(resumed[r], straight[r]))
 
 
-def paced_loop(rank: int, world_size: int, epochs: int = 2) -> dict:
+def paced_loop(rank: int, world_size: int, epochs: int = 2, wire: dict | None = None) -> dict:
     """The loop of accelerate_hook's docstring: rank 1 three times slower, every sample once per epoch."""
     import time
 
@@ -74,7 +74,9 @@ def paced_loop(rank: int, world_size: int, epochs: int = 2) -> dict:
 
     set_seed(0)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
-    model, optimizer = prepare_acco(accelerator, tiny_llama(), accumulation="paced", lr=1e-2, max_grad_norm=1.0)
+    model, optimizer = prepare_acco(
+        accelerator, tiny_llama(), accumulation="paced", lr=1e-2, max_grad_norm=1.0, **(wire or {})
+    )
     scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s)))
     samples = [batch(0, i, size=1) for i in range(37)]
     for i, s in enumerate(samples):
@@ -106,6 +108,19 @@ def test_a_paced_accelerate_loop_uses_every_sample_once_at_unequal_speeds() -> N
         assert used == list(range(37))
     assert fast["steps"] == slow["steps"] == fast["engine_steps"] == 2 * 3  # 19 micro-batches, 8 per step
     assert all(torch.equal(a, b) for a, b in zip(fast["params"], slow["params"]))
+
+
+def test_a_paced_accelerate_loop_with_int8_on_the_wire_keeps_the_ranks_identical() -> None:
+    """int8 gradients, int8 parameter changes and error feedback through prepare_acco, paced at unequal speeds."""
+    wire = {"comm_dtype": "int8", "gather_dtype": "int8", "error_feedback": True}
+    fast, slow = run_ranks(paced_loop, backend=None, wire=wire)
+    exact = run_ranks(paced_loop, backend=None)[0]
+    for epoch in range(2):
+        used = sorted(i for r in (fast, slow) for e, *idx in r["seen"] if e == epoch for i in idx)
+        assert used == list(range(37))
+    assert all(torch.equal(a, b) for a, b in zip(fast["params"], slow["params"]))
+    assert not all(torch.equal(a, b) for a, b in zip(fast["params"], exact["params"]))  # the wire was int8
+    assert all(torch.isfinite(p).all() for p in fast["params"])
 
 
 def dynamic_loop(rank: int, world_size: int) -> tuple[int, float]:

@@ -106,6 +106,15 @@ def test_sft_sync_equals_sft_under_ddp_and_acco_tracks_it(tmp_path: Path, option
     assert ddp[0]["losses"][-1] < ddp[0]["losses"][0]  # it learned something
 
 
+def test_sft_with_int8_on_the_wire_tracks_sft_under_ddp(tmp_path: Path) -> None:
+    """ACCOSFTConfig takes the int8 settings as any acco_* field: gradients, parameter changes, error feedback."""
+    wire = {"acco_comm_dtype": "int8", "acco_gather_dtype": "int8", "acco_error_feedback": True}
+    ddp = run(tmp_path, "sft", None)
+    int8 = run(tmp_path, "sft", "acco", **wire)
+    assert torch.equal(int8[0]["params"], int8[1]["params"])
+    assert int8[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=0.03)
+
+
 def test_dpo_sync_equals_dpo_under_ddp_and_acco_tracks_it(tmp_path: Path) -> None:
     ddp = run(tmp_path, "dpo", None)
     sync = run(tmp_path, "dpo", "sync")
