@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import quant
-from .nodes import NodeGroups, gloo_failure, machines, node, node_groups
+from .nodes import NodeGroups, destroy_groups, gloo_failure, machines, node, node_groups
 from .sharding import FlatLayout
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -223,9 +223,7 @@ class Communicator:
             if self.two_level is not None:
                 self.two_level.destroy()
                 self.two_level = None
-            for group in {self.host_group, self.group}:
-                if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-                    dist.destroy_process_group(group)
+            destroy_groups(self.host_group, self.group)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
 

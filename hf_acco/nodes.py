@@ -47,9 +47,14 @@ class NodeGroups:
     rail: Any
 
     def destroy(self) -> None:
-        for group in (self.node, self.rail):
-            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-                dist.destroy_process_group(group)
+        destroy_groups(self.node, self.rail)
+
+
+def destroy_groups(*groups: Any) -> None:
+    """Destroy each of ``groups`` that torch.distributed still holds (each once)."""
+    for group in dict.fromkeys(groups):
+        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
 
 
 def node_groups(

@@ -106,6 +106,5 @@ class ErrorFeedback:
         a step whose gradient is not finite is skipped, its rounding is not carried)."""
         x = rows.float() + self.residual[b]
         packed = pack(x)
-        lost = x.sub_(unpack(packed, rows.shape[-1]))
-        self.residual[b].copy_(torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+        self.residual[b].copy_(x.sub_(unpack(packed, rows.shape[-1])).nan_to_num_(0.0, 0.0, 0.0))
         return packed
