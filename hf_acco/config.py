@@ -189,10 +189,10 @@ class ACCOConfigMixin(_ArgsBase):
         default="auto",
         metadata={
             "help": (
-                "Parameters in the all-gather: auto (the model's dtype, exact), or int8 for slow links: each owner "
-                "sends the change since what every rank holds, blockwise (about half of bf16's bytes); every rank "
-                "applies the same bytes and the next change carries the rounding, so nothing drifts from the fp32 "
-                "master."
+                "Parameters in the all-gather: auto (the model's dtype, exact), or int8 / int4 for slow links: each "
+                "owner sends the change since what every rank holds, blockwise (about a half / a quarter of bf16's "
+                "bytes); every rank applies the same bytes and the next change carries the rounding, so nothing "
+                "drifts from the fp32 master."
             ),
             "choices": list(GATHER_DTYPES),
         },

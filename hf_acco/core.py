@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
 from .comm import Communicator, warn_if_one_hardware_queue
-from .deltas import DeltaGather, int8_settings
+from .deltas import GATHER_DTYPES, DeltaGather, quantized_settings
 from .halves import halves_for, round_ends_soon
 from .inflight import RoundInFlight
 from .lifecycle import EngineLifecycle
@@ -121,8 +121,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             with ``comm_dtype="bf16"``, as the authors' release did for the largest models) halves the accumulation
             buffer; each backward's gradient is rounded as it is added.
         gather_dtype (`str`, defaults to `"auto"`): the parameters in the all-gather: ``"auto"`` (the model's dtype,
-            exact) or ``"int8"``: each owner sends the change of its parameters since what every rank holds,
-            quantised blockwise; every rank applies the same bytes (the ranks stay identical, the rounding is
+            exact), ``"int8"`` or ``"int4"``: each owner sends the change of its parameters since what every rank
+            holds, quantised blockwise; every rank applies the same bytes (the ranks stay identical, the rounding is
             carried into the next round, the master stays exact: ``deltas.py``).
         error_feedback (`bool`, defaults to `False`): with ``comm_dtype="int8"``, carry each commit round's rounding
             of this rank's gradients into the next commit round's (``quant.ErrorFeedback``; a float32 residual of
@@ -160,7 +160,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.schedule, self.accumulation = parse_settings(schedule, accumulation, *counts)
         check_nonfinite(nonfinite)  # before the first collective: a bad setting fails alone, not in a hang
         sums = parse_comm_dtype(grad_dtype, "grad_dtype")
-        int8_params = int8_settings(comm_dtype, gather_dtype, error_feedback)
+        change_bits = quantized_settings(comm_dtype, gather_dtype, error_feedback)
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
@@ -178,7 +178,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
         self.halves = halves_for(self.accumulation, *counts)
         self.stats = EngineStats()
-        self._round = self._build_round(max_grad_norm, nonfinite, quantized, int8_params, error_feedback)
+        self._round = self._build_round(max_grad_norm, nonfinite, quantized, change_bits, error_feedback)
         self.rounds = RoundInFlight(self._round, self.buffers, self.stats, self.halves)
         self._boundary = BoundaryState(  # the last step boundary, for state_dict
             self.layout, self.comm, self.shard, self._params, self.schedule is Schedule.ACCO, self._round.feedback
@@ -191,7 +191,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.buffers.attach()  # last: if anything above raised, the model's gradients are as they were
 
     def _build_round(
-        self, max_grad_norm: float | None, nonfinite: str, int8_grads: bool, int8_params: bool, error_feedback: bool
+        self, max_grad_norm: float | None, nonfinite: str, int8_grads: bool, change_bits: int, error_feedback: bool
     ) -> RoundBody:
         """The body of every round, with int8 gradients, parameter changes and error feedback where asked (int8
         gradients: collective, two levels on several machines, nodes.py). Nothing goes on a wire with one rank
@@ -199,8 +199,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         if int8_grads:
             self.comm.use_int8_gradients()
         wired = not self.comm.local_copies
-        gather = DeltaGather(self.layout, self.comm, self._params) if int8_params and wired else None
-        self.quantized_parameters = gather is not None
+        gather = DeltaGather(self.layout, self.comm, self._params, change_bits) if change_bits and wired else None
+        self.gather_dtype = {8: "int8", 4: "int4"}[gather.bits] if gather else GATHER_DTYPES[0]  # what it sends
         feedback = None
         if error_feedback and self.comm.quantized_gradients and wired:
             feedback = ErrorFeedback(self.layout.num_buckets, self.comm.int8_rows(), self.layout.chunk, self.device)

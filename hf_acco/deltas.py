@@ -1,14 +1,18 @@
-"""int8 parameter updates in the all-gather (``gather_dtype="int8"``), as ZeRO++'s quantised weights (qwZ) move
-fewer bytes, but without their drift: what travels is the change since what every rank already holds.
+"""int8 or int4 parameter updates in the all-gather (``gather_dtype="int8"`` or ``"int4"``), as ZeRO++'s quantised
+weights (qwZ) move fewer bytes, but without their drift: what travels is the change since what every rank already
+holds.
 
 What every rank holds is the model's own parameters: identical on every rank (each applied the same bytes), and
 unchanged while a round runs (the main thread loads the model only after waiting for the round: ``inflight.py``).
 For each bucket the owner of a piece sends ``new - base`` (its new parameters in the model's dtype, minus the
-model's), quantised blockwise (``quant.py``: 1 + 4/256 bytes an element); every rank, the owner too, writes
-``base + dequantised`` into the round's output with the same arithmetic, so all ranks hold the same bits. The
+model's), quantised blockwise (``quant.py``: 1 + 4/256 bytes an element in int8, 0.5 + 4/256 in int4); every rank,
+the owner too, writes ``base + dequantised`` into the round's output with the same arithmetic, so all ranks hold
+the same bits. The
 next round's change starts from what the ranks hold, so each round's rounding is carried into the next one
 instead of adding up: the model stays within one round's rounding of the owner's exact result (the master and
-the optimizer state stay fp32 and exact on the owner).
+the optimizer state stay fp32 and exact on the owner). In int4 a block's step is its largest change / 7: for Adam a
+change is about the learning rate per element, so the model is off the master by about the learning rate, not by
+a fraction of the weights.
 
 A resume recomputes a pending commit round's output the same way, from the same base (the boundary's model, which
 the checkpoint holds exactly): it is exact.
@@ -31,19 +35,21 @@ from . import quant
 from .comm import Communicator
 from .sharding import FlatLayout
 
-GATHER_DTYPES = ("auto", "int8")  # the parameters in the all-gather: the model's dtype, or int8 changes
+GATHER_DTYPES = ("auto", "int8", "int4")  # the parameters in the all-gather: the model's dtype, or changes
+CHANGE_BITS = {"auto": 0, "int8": 8, "int4": 4}  # gather_dtype -> the bits of a change's value (0: exact)
 
 
-def check_gather_dtype(value: str) -> bool:
-    """Whether ``value`` (the engine's ``gather_dtype``) asks for int8 changes; anything unknown is refused."""
+def check_gather_dtype(value: str) -> int:
+    """The bits ``value`` (the engine's ``gather_dtype``) sends a change in (0: the parameters, exact); anything
+    unknown is refused."""
     if value not in GATHER_DTYPES:
         raise ValueError(f"gather_dtype must be one of {', '.join(GATHER_DTYPES)}, got {value!r}")
-    return value == "int8"
+    return CHANGE_BITS[value]
 
 
-def int8_settings(comm_dtype: object, gather_dtype: str, error_feedback: bool) -> bool:
-    """Whether the parameters travel as int8 changes (``gather_dtype``); refuses an unknown one, and error feedback
-    without int8 gradients (before any collective: a bad setting fails alone, not in a hang)."""
+def quantized_settings(comm_dtype: object, gather_dtype: str, error_feedback: bool) -> int:
+    """The bits the parameters' changes travel in (``gather_dtype``; 0: exact); refuses an unknown one, and error
+    feedback without int8 gradients (before any collective: a bad setting fails alone, not in a hang)."""
     if error_feedback and comm_dtype != "int8":
         raise ValueError(
             "error_feedback carries the rounding of int8 gradients: set comm_dtype='int8' with it, or leave it off "
@@ -61,7 +67,7 @@ class ModelPieces:
         self.layout, self.params = layout, list(params)
         for p, name in zip(self.params, layout.names):
             if not p.is_contiguous():
-                raise ValueError(f"gather_dtype='int8' reads parameters in place; {name} is not contiguous")
+                raise ValueError(f"a quantised gather_dtype reads parameters in place; {name} is not contiguous")
         self._runs: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
 
     def runs(self, b: int, r: int) -> list[tuple[int, int, int, int]]:
@@ -86,13 +92,13 @@ class ModelPieces:
 
 
 class DeltaGather:
-    """The all-gather of a round's output with int8 changes (see the module's docstring).
+    """The all-gather of a round's output with quantised changes in ``bits`` (8 or 4; the module's docstring).
 
     Called with the round's output buffer in the model's dtype, this rank's pieces holding its new parameters;
     returns with every piece holding ``base + dequantised change``, the same bits on every rank."""
 
-    def __init__(self, layout: FlatLayout, comm: Communicator, params: Sequence[torch.Tensor]) -> None:
-        self.layout, self.comm = layout, comm
+    def __init__(self, layout: FlatLayout, comm: Communicator, params: Sequence[torch.Tensor], bits: int) -> None:
+        self.layout, self.comm, self.bits = layout, comm, bits
         self.model = ModelPieces(layout, params)
 
     def __call__(self, flat: torch.Tensor) -> None:
@@ -103,7 +109,7 @@ class DeltaGather:
                 self._apply(flat, *pending.pop(0))
             change = layout.piece(flat, b, comm.rank).to(torch.float32, copy=True)  # this rank's new parameters
             self.model.add_to(change, b, comm.rank, alpha=-1.0)  # minus what every rank holds
-            send = quant.pack(change.view(1, -1))[0]
+            send = quant.pack(change.view(1, -1), bits=self.bits)[0]
             recv = torch.empty(comm.world_size, send.numel(), dtype=torch.int8, device=flat.device)
             work = comm.all_gather_packed(recv, send)
             pending.append((b, recv, work, send))  # ``send`` outlives the collective that reads it
@@ -114,6 +120,6 @@ class DeltaGather:
         """Piece (b, r) of ``flat`` <- the model's piece (b, r) + rank r's dequantised change, for every rank r."""
         work.wait()
         for r in range(recv.shape[0]):
-            out = quant.unpack(recv[r : r + 1], self.layout.chunk)[0]  # a new float32 row
+            out = quant.unpack(recv[r : r + 1], self.layout.chunk, self.bits)[0]  # a new float32 row
             self.model.add_to(out, b, r)
             self.layout.piece(flat, b, r).copy_(out)

@@ -1,7 +1,7 @@
 """Bytes per rank of every buffer the engine holds, next to DDP, ZeRO-1 and ZeRO-2 for the same model.
 
     python -m hf_acco.memory --params 7e9 --world_size 8 --param_dtype bf16 [--comm_dtype auto|fp32|bf16|int8]
-                             [--gather_dtype auto|int8]
+                             [--gather_dtype auto|int8|int4]
                              [--grad_dtype fp32|bf16] [--optimizer fused|foreach] [--gpus_per_node 8] [--json]
 
 Units: GB = 10^9 bytes, with GiB (2^30 bytes) beside it. An "80 GB" GPU holds 80 GiB (85.9 GB), less what the CUDA
@@ -143,8 +143,8 @@ def engine_memory(
         "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
         + shard * param_dtype.itemsize,
     }
-    int8_params = check_gather_dtype(gather_dtype)
-    round_pool.update(wire_pool(layout, comm_dtype, quantized, int8_params, backend, max_inflight, ranks_per_node))
+    change_bits = check_gather_dtype(gather_dtype)
+    round_pool.update(wire_pool(layout, comm_dtype, quantized, change_bits, backend, max_inflight, ranks_per_node))
     return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
 
 
@@ -170,13 +170,14 @@ def wire_pool(
     layout: FlatLayout,
     comm_dtype: torch.dtype,
     quantized: bool,
-    int8_params: bool,
+    change_bits: int,
     backend: str,
     max_inflight: int,
     per_node: int = 1,
 ) -> dict[str, int]:
     """The round pool's buffers of the collectives themselves (the largest counts: they run one after the other);
-    ``per_node``: ranks per machine (int8 gradients go in two levels on several machines of several ranks)."""
+    ``per_node``: ranks per machine (int8 gradients go in two levels on several machines of several ranks);
+    ``change_bits``: the parameters' changes in the all-gather (8 or 4; 0: the parameters themselves)."""
     fp32, pool = torch.float32.itemsize, {}
     inflight = min(max_inflight, layout.num_buckets)
     row = quant.packed_numel(layout.chunk)  # one chunk's int8 values and their scales
@@ -195,9 +196,10 @@ def wire_pool(
         )
     elif backend == "gloo":
         pool["round: all-to-all receive buffers"] = inflight * layout.bucket_size * comm_dtype.itemsize
-    if int8_params:  # deltas.py: this rank's packed change and every rank's, per bucket in flight; the change
-        pool["round: int8 all-gather (packed changes in flight, fp32 temporaries)"] = (
-            inflight * (1 + layout.world_size) * row + temporaries + layout.chunk * fp32
+    if change_bits:  # deltas.py: this rank's packed change and every rank's, per bucket in flight; the change
+        changes = quant.packed_numel(layout.chunk, change_bits)
+        pool[f"round: int{change_bits} all-gather (packed changes in flight, fp32 temporaries)"] = (
+            inflight * (1 + layout.world_size) * changes + temporaries + layout.chunk * fp32
         )
     return pool
 
@@ -210,7 +212,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         opt.layout.world_size,
         param_dtype=opt.buffers.param_dtype,
         comm_dtype="int8" if opt.comm.quantized_gradients else opt.buffers.comm_dtype,
-        gather_dtype="int8" if opt.quantized_parameters else "auto",
+        gather_dtype=opt.gather_dtype,
         ranks_per_node=opt.comm.two_level.per_node if opt.comm.two_level is not None else 1,
         error_feedback=opt._round.feedback is not None,
         grad_dtype=opt.buffers.accum.dtype,

@@ -133,6 +133,11 @@ def test_the_cli_prints_one_json_object_for_7b_on_8_ranks() -> None:
     (changes,) = (v for k, v in both["round_pool"].items() if "all-gather" in k)
     assert changes / 1e9 == pytest.approx(4 * 9 * 0.0329 + 2 * 0.13 + 0.13, abs=0.01)
     assert both["round_pool_bytes"] == max(packing, changes) == packing
+    # int4 changes: half the packed values (16.6 MB a chunk), the same temporaries
+    int4 = report("--param_dtype", "bf16", "--comm_dtype", "int8", "--gather_dtype", "int4")
+    (changes4,) = (v for k, v in int4["round_pool"].items() if "int4 all-gather" in k)
+    assert changes4 / 1e9 == pytest.approx(4 * 9 * 0.0166 + 2 * 0.13 + 0.13, abs=0.01)
+    assert int4["persistent_bytes"] == default["persistent_bytes"] and int4["round_pool_bytes"] == packing
     # 2 machines of 8: the two levels regroup one bucket (bf16) for the machine's reduce-scatter and send one packed
     # row per machine, not per rank: less than the flat all-to-all's buffers (one rank per machine)
     wide = ["--param_dtype", "bf16", "--comm_dtype", "int8", "--world_size", "16"]

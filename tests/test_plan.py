@@ -72,6 +72,11 @@ def test_int8_rounds_by_hand_two_levels_between_nodes_and_the_kernels():
     assert plan.round_time(only_grads, cluster, kernels) - plan.round_time(only_grads, cluster, c) == pytest.approx(
         1e-2
     )
+    # int4 changes: two values a byte, the same scales; the all-gather moves INT4_BYTES an element, one kernel
+    assert plan.INT4_BYTES == quant.packed_numel(quant.BLOCK, bits=4) / quant.BLOCK
+    int4 = replace(job, gather_bytes=plan.INT4_BYTES)
+    assert plan.round_time(int4, cluster, c) == pytest.approx(3 / 4 * q * 0.1 + 31 / 32 * plan.INT4_BYTES * 0.1)
+    assert plan.round_time(int4, cluster, kernels) - plan.round_time(int4, cluster, c) == pytest.approx(2 * 1e-2)
 
 
 def test_step_times_of_each_method_by_hand():

@@ -296,7 +296,7 @@ def test_int8_parameters_under_the_overlapping_schedules_keep_the_ranks_identica
 
 
 def test_an_unknown_gather_dtype_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="gather_dtype must be one of auto, int8, got 'bf16'"):
+    with pytest.raises(ValueError, match="gather_dtype must be one of auto, int8, int4, got 'bf16'"):
         ACCOOptimizer(tiny_llama().parameters(), gather_dtype="bf16", lr=1e-3)
 
 

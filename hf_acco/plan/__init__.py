@@ -3,9 +3,11 @@
 
 from .cli import EXAMPLES, examples_table, job_from_args, main, make_parser, report
 from .model import (
+    CHANGES,
     DDP_BUCKET_BYTES,
     DDP_FIRST_BUCKET_BYTES,
     FITTED,
+    INT4_BYTES,
     INT8_BYTES,
     METHODS,
     NAMES,
@@ -32,10 +34,12 @@ from .model import (
 )
 
 __all__ = [
+    "CHANGES",
     "DDP_BUCKET_BYTES",
     "DDP_FIRST_BUCKET_BYTES",
     "EXAMPLES",
     "FITTED",
+    "INT4_BYTES",
     "INT8_BYTES",
     "METHODS",
     "NAMES",

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import model as _model
 from .model import (
+    CHANGES,
     FITTED,
     INT8_BYTES,
     METHODS,
@@ -46,7 +47,7 @@ def report(job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05) ->
         f"Cluster: {cluster.gpus} GPUs, {cluster.nodes} node(s) of {cluster.local}, intra {cluster.intra_gbit:g} "
         f"Gbit/s per GPU, inter {cluster.inter_gbit:g} Gbit/s per node; model {job.params:.3g} parameters, "
         f"{job.param_bytes}-byte weights, {WIRES[job.grad_bytes]} gradients on the wire (ACCO, ZeRO-1)"
-        + (", int8 parameter changes; " if job.gather_bytes == INT8_BYTES else "; ")
+        + (f", {CHANGES[job.gather_bytes]} parameter changes; " if job.gather_bytes in CHANGES else "; ")
         + f"{job.micro_batches} micro-batches per rank per step of "
         f"{', '.join(f'{t:g}' for t in sorted(set(job.micro_batch_s)))} s, {job.micro_batch_tokens} tokens each.",
         f"Constants (round / all-reduce): alpha {c.alpha_s['round'] * 1e6:.0f} / {c.alpha_s['all_reduce'] * 1e6:.0f}"
@@ -69,7 +70,7 @@ def report(job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05) ->
                      f"gradient_accumulation_steps={ch['micro_batches']}")  # fmt: skip
     if ch["method"] != "ddp":
         wire = WIRES[ch["grad_bytes"]]
-        gather = ", acco_gather_dtype='int8'" if job.gather_bytes == INT8_BYTES else ""
+        gather = f", acco_gather_dtype={CHANGES[job.gather_bytes]!r}" if job.gather_bytes in CHANGES else ""
         lines.append(f"  acco_comm_dtype={wire!r} (gradients on the wire){gather}, acco_bucket_numel="
                      f"{bucket_numel(replace(job, grad_bytes=ch['grad_bytes']), cluster, c)} (latency under 5 % "
                      "of a bucket's transfer)")  # fmt: skip
@@ -183,7 +184,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gather_dtype",
-        choices=["auto", "int8"],
+        choices=["auto", *CHANGES.values()],
         default="auto",
         help="ACCO / ZeRO-1's parameters in the all-gather (acco_gather_dtype; auto: the model's dtype)",
     )
@@ -222,7 +223,7 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("several --micro_batch_s need --group_gpus (how many GPUs have each)")
     nbytes = {"bf16": 2, "fp32": 4, "int8": INT8_BYTES}
     wire = args.model_dtype if args.comm_dtype == "auto" else args.comm_dtype
-    gather = INT8_BYTES if args.gather_dtype == "int8" else None
+    gather = {v: k for k, v in CHANGES.items()}.get(args.gather_dtype)
     return Job(params=args.params, micro_batch_s=times, micro_batches=args.micro_batches,
                micro_batch_tokens=args.micro_batch_tokens, grad_bytes=nbytes[wire],
                param_bytes=int(nbytes[args.model_dtype]), gather_bytes=gather)  # fmt: skip

@@ -28,10 +28,11 @@ hierarchical: NCCL's reduce-scatter and all-gather are rings (its tree, for all-
 about half a ring's bytes between nodes: DDP is then predicted slower than it is); across 2 nodes a ring moves
 almost twice what a two-level collective would (``(n - 1) / n`` of the bytes).
 
-**int8 on the wire** (``--comm_dtype int8``, ``--gather_dtype int8``: ``INT8_BYTES`` an element): the int8
+**int8 on the wire** (``--comm_dtype int8``, ``--gather_dtype int8`` or ``int4``: ``INT8_BYTES`` / ``INT4_BYTES``
+an element): the int8
 reduce-scatter is an all-to-all, in two levels on several nodes of several GPUs (:func:`int8_reduce_scatter`:
 a ring inside each node in the model's dtype, then ``(n - 1) / n`` of the int8 bytes out of each node), the int8
-changes' all-gather a ring; each int8 collective adds ``quant_s_per_element`` seconds an element (stated).
+or int4 changes' all-gather a ring; each quantised collective adds ``quant_s_per_element`` seconds an element (stated).
 
 **A step** (``k`` micro-batches per rank, each ``t`` s; ``t_max`` the slowest rank's; ``R = RS + AG`` one
 round: the gradients reduce-scattered in the communication dtype, the parameters all-gathered in the model's;
@@ -76,10 +77,12 @@ NCCL_BUCKET_NUMEL = (1 << 22, 1 << 28)  # the engine's automatic bucket range on
 # the benchmark cannot measure it (gloo over TCP here: its fitted alpha is milliseconds), so it is stated
 NCCL_ALPHA_US = 20.0
 INT8_BYTES = 1 + 4 / 256  # an element in int8 on the wire: quant.py's value and its share of a block's fp32 scale
+INT4_BYTES = 0.5 + 4 / 256  # int4 (parameter changes only): two values a byte, and the same scales
 # Quantising or dequantising an element (quant.py's unfused torch ops: some 30-70 bytes of device memory traffic
 # an element) at about 2.5 TB/s; stated, not measured: the benchmark runs on CPUs, where it is far slower
 QUANT_S_PER_ELEMENT = 2e-11
 WIRES = {4: "fp32", 2: "bf16", INT8_BYTES: "int8"}  # bytes an element -> the acco_comm_dtype that sends them
+CHANGES = {INT8_BYTES: "int8", INT4_BYTES: "int4"}  # bytes an element -> the acco_gather_dtype that sends them
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class Constants:
     efficiency: dict[str, float] = field(default_factory=lambda: {"round": 0.9, "all_reduce": 0.9})
     overhead_s: dict[str, float] = field(default_factory=lambda: {"ddp": 0.0, "sync": 0.0, "acco": 0.0})
     forward_share: float = 1 / 3  # the forward's share of a micro-batch (the backward: 2/3)
-    quant_s_per_element: float = QUANT_S_PER_ELEMENT  # per int8 collective of a round (stated)
+    quant_s_per_element: float = QUANT_S_PER_ELEMENT  # per quantised collective of a round (stated)
     source: str = "defaults"
 
 
@@ -153,14 +156,15 @@ def collective(nbytes: float, cluster: Cluster, c: Constants, kind: str = "round
 
 def round_time(job: Job, cluster: Cluster, c: Constants) -> float:
     """One round: the gradients reduce-scattered (a ring on NCCL, an all-to-all on gloo) in the communication
-    dtype, the parameters all-gathered (a ring) in the model's, or their int8 changes; int8's (de)quantising."""
+    dtype, the parameters all-gathered (a ring) in the model's, or their int8 / int4 changes; the (de)quantising."""
     gather = job.param_bytes if job.gather_bytes is None else job.gather_bytes
     if job.grad_bytes == INT8_BYTES:
         reduce_scatter = int8_reduce_scatter(job, cluster, c)
     else:
         spelling = "all_to_all" if cluster.backend == "gloo" else "ring"
         reduce_scatter = collective(job.params * job.grad_bytes, cluster, c, spelling=spelling)
-    kernels = [job.grad_bytes, gather].count(INT8_BYTES) * job.params * c.quant_s_per_element
+    quantised = (job.grad_bytes == INT8_BYTES) + (job.gather_bytes in CHANGES)
+    kernels = quantised * job.params * c.quant_s_per_element
     return reduce_scatter + collective(job.params * gather, cluster, c) + kernels
 
 
@@ -218,7 +222,7 @@ class Job:
     micro_batch_tokens: int = 16384
     grad_bytes: float = 4  # per element of ACCO / ZeRO-1's reduce-scatter: 4 fp32, 2 bf16, INT8_BYTES int8
     param_bytes: int = 4  # per element of the all-gather and of DDP's all-reduce: the model's dtype
-    gather_bytes: float | None = None  # the all-gather's, if not the model's: INT8_BYTES (acco_gather_dtype int8)
+    gather_bytes: float | None = None  # the all-gather's, if not the model's: INT8_BYTES / INT4_BYTES (changes)
 
     def times(self, p: int) -> list[float]:
         t = list(self.micro_batch_s)
