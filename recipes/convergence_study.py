@@ -32,8 +32,10 @@ METHODS = {  # name -> pretrain_clm.py arguments
     "dpu+warmup": ["--method", "dpu", "--acco_warmup_steps", "30"],
     "acco-int8": INT8,
     "acco-int8+ef": [*INT8, "--acco_error_feedback", "true"],
+    "acco-int8-int4": [*INT8[:-1], "int4"],  # int8 gradients, int4 parameter changes
+    "acco-int8-int4+ef": [*INT8[:-1], "int4", "--acco_error_feedback", "true"],
 }
-DEFAULT_METHODS = ["ddp", "acco", "dpu", "sync", "dpu+warmup"]  # the int8 wires: --methods acco acco-int8 ...
+DEFAULT_METHODS = ["ddp", "acco", "dpu", "sync", "dpu+warmup"]  # the quantised wires: --methods acco acco-int8 ...
 
 
 def run(method: str, seed: int, args: argparse.Namespace) -> dict:

@@ -181,7 +181,7 @@ def test_the_benchmarks_int8_rows_send_int8_gradients_and_parameter_changes(tmp_
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "hf_acco.bench", "--no_netns", "--repeats", "1", "--steps", "4", "--hidden", "32",
            "--layers", "1", "--heads", "1", "--seq", "32", "--batch", "2", "--out", str(out),
-           "--methods", "sync:fixed", "sync-int8:fixed", "acco-int8:fixed"]  # fmt: skip
+           "--methods", "sync:fixed", "sync-int8:fixed", "acco-int8:fixed", "acco-int8-int4:fixed"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = {r["method"]: r for r in json.loads((out / "benchmark.json").read_text())["runs"]}
@@ -189,6 +189,8 @@ def test_the_benchmarks_int8_rows_send_int8_gradients_and_parameter_changes(tmp_
     # the wire time of a round, scaled from the fp32 round measured alone by the bytes each element takes
     assert runs["sync-int8"]["t_comm_s"] / runs["sync"]["t_comm_s"] == pytest.approx(2 * (1 + 4 / 256) / 8)
     assert runs["acco-int8"]["t_comm_s"] == pytest.approx(2 * runs["sync-int8"]["t_comm_s"])
+    int4 = 2 * ((1 + 4 / 256) + (0.5 + 4 / 256)) / 8  # int8 gradients, int4 changes; two rounds a step
+    assert runs["acco-int8-int4"]["t_comm_s"] / runs["sync"]["t_comm_s"] == pytest.approx(int4)
 
 
 def test_the_benchmark_command_with_3_ranks_and_emulated_compute(tmp_path):
@@ -273,7 +275,7 @@ def _ddp_with_the_bf16_wire_hook(rank: int, world_size: int) -> torch.Tensor:
 def test_the_benchmarks_ddp_bf16_hook_averages_in_bf16() -> None:
     """What the benchmark's ``ddp-bf16`` runs: each rank's gradient rounded to bf16, averaged (as torch's
     bf16_compress_hook, which DDP refuses off NCCL)."""
-    from hf_acco.bench.report import method_parts
+    from hf_acco.bench.report import gather_of, method_parts
     from hf_acco.multiprocess import run_ranks
 
     grads = run_ranks(_ddp_with_the_bf16_wire_hook)
@@ -282,6 +284,13 @@ def test_the_benchmarks_ddp_bf16_hook_averages_in_bf16() -> None:
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], expected)
     assert not torch.equal(expected, sum(local) / 2)  # the rounding is there
     assert method_parts("acco-bf16") == ("acco", "bf16") and method_parts("ddp") == ("ddp", "fp32")
+    assert method_parts("acco-int8-int4") == ("acco", "int8")
+    assert [gather_of(m) for m in ("acco", "acco-bf16", "sync-int8", "acco-int8-int4")] == [
+        "auto",
+        "auto",
+        "int8",
+        "int4",
+    ]
 
 
 @pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")

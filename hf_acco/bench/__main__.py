@@ -54,9 +54,13 @@ METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "f
 # not run by default: gradients in bf16 on the wire (ACCO's comm_dtype, DDP's bf16_compress_hook)
 BF16_METHODS = [("acco-bf16", "fixed"), ("acco-bf16", "dynamic"), ("sync-bf16", "fixed"), ("ddp-bf16", "fixed")]
 # not run by default: int8 gradients and parameter changes on the wire (ACCO's comm_dtype and gather_dtype "int8";
-# DDP has no such hook)
-INT8_METHODS = [("acco-int8", "fixed"), ("acco-int8", "dynamic"), ("sync-int8", "fixed")]
-WIRE_BYTES = {"fp32": 4, "bf16": 2, "int8": quant.packed_numel(quant.BLOCK) / quant.BLOCK}  # per element
+# DDP has no such hook); acco-int8-int4: int8 gradients, int4 parameter changes
+INT8_METHODS = [("acco-int8", "fixed"), ("acco-int8", "dynamic"), ("sync-int8", "fixed"), ("acco-int8-int4", "fixed")]
+WIRE_BYTES = {
+    "fp32": 4,
+    "bf16": 2,
+    **{f"int{b}": quant.packed_numel(quant.BLOCK, b) / quant.BLOCK for b in quant.BITS},
+}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -155,7 +159,8 @@ def summarise_setting(logs: list[dict], setting: dict[str, Any], target: float |
         method = run["method"]
         base, wire = report.method_parts(method)
         grad_bytes = WIRE_BYTES[wire]
-        param_bytes = WIRE_BYTES["int8"] if wire == "int8" else model_bytes  # int8: the parameters' changes too
+        changes = report.gather_of(method)  # the parameters' changes quantised, or the model's dtype
+        param_bytes = model_bytes if changes == "auto" else WIRE_BYTES[changes]
         if base == "ddp":
             t_comm = max(log["comm"]["all_reduce_s"] for log in logs) * min(grad_bytes, param_bytes) / 4
         else:

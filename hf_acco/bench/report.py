@@ -257,4 +257,11 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
 def method_parts(method: str) -> tuple[str, str]:
     """("acco", "bf16") for "acco-bf16": the method and its gradients' dtype on the wire (fp32 when unnamed)."""
     base, _, wire = method.partition("-")
-    return base, wire or "fp32"
+    return base, wire.partition("-")[0] or "fp32"
+
+
+def gather_of(method: str) -> str:
+    """The parameters' gather_dtype: "int8" for "acco-int8" (its changes in int8 too), "int4" for "acco-int8-int4"
+    (int8 gradients, int4 changes), "auto" (the model's dtype) otherwise."""
+    wire, _, changes = method.partition("-")[2].partition("-")
+    return changes or ("int8" if wire == "int8" else "auto")

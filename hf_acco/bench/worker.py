@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from hf_acco.baselines import bf16_wire_hook
 from hf_acco.bench.link import tx_bytes
-from hf_acco.bench.report import method_parts
+from hf_acco.bench.report import gather_of, method_parts
 from hf_acco.claims import ClaimingBatchSampler, default_store
 from hf_acco.comm import Communicator
 from hf_acco.core import ACCOOptimizer
@@ -384,7 +384,7 @@ def build_method(
     paced = run["accumulation"] == "dynamic"
     opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation="paced" if paced else "fixed",
                         micro_batches=k, max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
-                        comm_dtype=wire, gather_dtype="int8" if wire == "int8" else "auto",
+                        comm_dtype=wire, gather_dtype=gather_of(run["method"]),
                         bucket_numel=spec.get("bucket_numel"))  # fmt: skip
     return None, opt, paced
 
