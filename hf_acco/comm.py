@@ -385,8 +385,8 @@ class Communicator:
             torch.sum(pieces, dim=0, dtype=rows.dtype, out=rows[b])
 
     def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
-        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the int8
-        changes of ``deltas.DeltaGather``)."""
+        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the packed
+        int8 or int4 changes of ``deltas.DeltaGather``)."""
         return _all_gather(recv.view(-1), send, group=self.group, async_op=True)
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
@@ -421,8 +421,9 @@ class DelayedCommunicator(Communicator):
         super().reduce_scatter(layout, flat, shard, feedback)
 
     def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
-        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the int8
-        changes of ``deltas.DeltaGather``)."""
+        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the packed
+        int8 or int4 changes of ``deltas.DeltaGather``). Not delayed: a round whose changes travel packed takes
+        only the reduce-scatter's half of ``delay_s``."""
         return _all_gather(recv.view(-1), send, group=self.group, async_op=True)
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:

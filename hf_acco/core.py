@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
 from .comm import Communicator, warn_if_one_hardware_queue
-from .deltas import GATHER_DTYPES, DeltaGather, quantized_settings
+from .deltas import CHANGE_DTYPES, GATHER_DTYPES, DeltaGather, quantized_settings
 from .halves import halves_for, round_ends_soon
 from .inflight import RoundInFlight
 from .lifecycle import EngineLifecycle
@@ -193,14 +193,14 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
     def _build_round(
         self, max_grad_norm: float | None, nonfinite: str, int8_grads: bool, change_bits: int, error_feedback: bool
     ) -> RoundBody:
-        """The body of every round, with int8 gradients, parameter changes and error feedback where asked (int8
-        gradients: collective, two levels on several machines, nodes.py). Nothing goes on a wire with one rank
-        (local copies): its output and gradients are exact there."""
+        """The body of every round, with int8 gradients, int8 / int4 parameter changes and error feedback where
+        asked (int8 gradients: collective, two levels on several machines, nodes.py). Nothing goes on a wire with
+        one rank (local copies): its output and gradients are exact there."""
         if int8_grads:
             self.comm.use_int8_gradients()
         wired = not self.comm.local_copies
         gather = DeltaGather(self.layout, self.comm, self._params, change_bits) if change_bits and wired else None
-        self.gather_dtype = {8: "int8", 4: "int4"}[gather.bits] if gather else GATHER_DTYPES[0]  # what it sends
+        self.gather_dtype = CHANGE_DTYPES[gather.bits] if gather else GATHER_DTYPES[0]  # what it sends
         feedback = None
         if error_feedback and self.comm.quantized_gradients and wired:
             feedback = ErrorFeedback(self.layout.num_buckets, self.comm.int8_rows(), self.layout.chunk, self.device)

@@ -37,6 +37,7 @@ from .sharding import FlatLayout
 
 GATHER_DTYPES = ("auto", "int8", "int4")  # the parameters in the all-gather: the model's dtype, or changes
 CHANGE_BITS = {"auto": 0, "int8": 8, "int4": 4}  # gather_dtype -> the bits of a change's value (0: exact)
+CHANGE_DTYPES = {bits: name for name, bits in CHANGE_BITS.items() if bits}  # 8 -> "int8", 4 -> "int4"
 
 
 def check_gather_dtype(value: str) -> int:

@@ -234,14 +234,15 @@ def bf16_wire_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def int8_wire_table() -> str:
-    """``recipes/convergence_study.py --methods acco-int8 acco-int8+ef``: int8 gradients and parameter changes,
-    with and without error feedback, against the study's ``acco`` (fp32 on the wire) seed by seed: final validation
-    loss, its gap (of the seed means), the largest gap at any evaluation (of the seed-mean curves, and of any one
-    seed); and the study's ``acco`` seed 0 rerun beside the committed one (the same command on this code)."""
+def quantised_wire_table(folder: str = "convergence/int8_wire") -> str:
+    """``recipes/convergence_study.py --methods acco-int8 acco-int8+ef`` (or ``acco-int8-int4 ...``, in another
+    ``folder``): quantised gradients and parameter changes, with and without error feedback, against the study's
+    ``acco`` (fp32 on the wire) seed by seed: final validation loss, its gap (of the seed means), the largest gap at
+    any evaluation (of the seed-mean curves, and of any one seed); and the study's ``acco`` seed 0 rerun beside the
+    committed one (the same command on this code), where the folder holds one."""
     study_runs = _load("convergence/convergence.json")["runs"]  # (and the Alpaca chain's, without a val loss)
     fp32 = {r["seed"]: r for r in study_runs if r["method"] == "acco" and "final_val_loss" in r}
-    study = _load("convergence/int8_wire/convergence.json")["runs"]
+    study = _load(f"{folder}/convergence.json")["runs"]
     rows = [
         "| method | seeds | final val loss (per seed) | mean | gap to acco, fp32 wire | max gap, seed means | "
         "max gap, any seed |",
@@ -262,7 +263,9 @@ def int8_wire_table() -> str:
             f"{final / base - 1:+.2%} | {max(abs(x / y - 1) for x, y in zip(curves, base_curve)):.2%} | "
             f"{any_seed:.2%} |"
         )
-    rerun = _load("convergence/int8_wire/acco_fp32_seed0_rerun.json")
+    if not (RESULTS / folder / "acco_fp32_seed0_rerun.json").is_file():
+        return "\n".join(rows) + "\n"
+    rerun = _load(f"{folder}/acco_fp32_seed0_rerun.json")
     rows.append(
         f"\nThe study's `acco` seed 0 rerun on this code: final validation loss {rerun['final_val_loss']:.4f} "
         f"(committed: {fp32[0]['final_val_loss']:.4f})."
@@ -292,7 +295,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),
     "heterogeneous-trainer": lambda: (RESULTS / "heterogeneous_trainer" / "table.md").read_text(),
     "bf16-wire-convergence": lambda: bf16_wire_table(),
-    "int8-wire-convergence": int8_wire_table,
+    "int8-wire-convergence": quantised_wire_table,
+    "int4-wire-convergence": lambda: quantised_wire_table("convergence/int4_wire"),
 }
 
 

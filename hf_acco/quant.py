@@ -3,7 +3,8 @@ quantised gradients (qgZ) and weights (qwZ) and bitsandbytes' blockwise quantisa
 
 Each block is scaled by its largest magnitude (absmax / qmax, qmax 127 for 8 bits, 7 for 4) and rounded to the
 nearest integer in [-qmax, qmax]: an element comes back within half a step of its block,
-``|x - dequantize(quantize(x))| <= absmax / (2 qmax)`` (plus float32's rounding of the scale). A block with an inf
+``|x - dequantize(quantize(x))| <= absmax / (2 qmax)`` (plus float32's rounding of the scale; a block whose absmax
+is below ``TINY`` takes ``TINY`` as its absmax, so that qmax / absmax stays finite). A block with an inf
 or NaN comes back with no finite element (its scale is not finite), so a non-finite gradient stays non-finite
 after the wire and the round's non-finite policy still sees it.
 
@@ -21,6 +22,7 @@ BLOCK = 256  # elements per scale: 1.6 % of the int8 bytes go to scales (3 % of 
 BITS = (8, 4)  # the widths a value can travel in
 QMAX = 127  # 8 bits, symmetric: -127..127 (-128 unused, so that q and -q are both representable)
 QMAX4 = 7  # 4 bits: -7..7, sent as q + 8 (1..15) in a nibble
+TINY = 2.0**-120  # the smallest absmax a block is scaled by (127 / TINY is below float32's largest, 3.4e38)
 
 
 def num_blocks(numel: int) -> int:
@@ -58,9 +60,8 @@ def pack(rows: torch.Tensor, out: torch.Tensor | None = None, bits: int = 8) -> 
     for i in range(r):
         x[:n].copy_(rows[i])
         x[n:].zero_()  # the last block's missing elements are zeros: they change no block's absmax
-        absmax = _absmax(blocks)
-        inverse = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))  # an all-zero block stays zeros
-        inverse = torch.where(torch.isfinite(absmax), inverse, absmax)  # not finite: so is every value
+        span = _absmax(blocks).clamp_(min=TINY)  # (an all-zero block stays zeros; NaN and inf stay as they are)
+        inverse = torch.where(torch.isfinite(span), qmax / span, span)  # not finite: so is every value
         q = blocks.mul_(inverse.unsqueeze(-1)).round_().clamp_(-qmax, qmax)
         if bits == 4:  # (lo + 8) + 16 (hi + 8) in 17..255, made in the high element's place (no temporary)
             pairs = q.view(nb, BLOCK // 2, 2)
@@ -68,7 +69,7 @@ def pack(rows: torch.Tensor, out: torch.Tensor | None = None, bits: int = 8) -> 
             out[i, :values].view(torch.uint8).view(nb, BLOCK // 2).copy_(q)
         else:
             out[i, :values].view(nb, BLOCK).copy_(q)
-        out[i, values:].view(torch.float32).copy_(absmax / qmax)
+        out[i, values:].view(torch.float32).copy_(span / qmax)
     return out
 
 
@@ -121,7 +122,7 @@ def error_bound(rows: torch.Tensor, bits: int = 8) -> torch.Tensor:
     nb = num_blocks(n)
     x = torch.nn.functional.pad(rows.float(), (0, nb * BLOCK - n))
     absmax = x.view(r, nb, BLOCK).abs().amax(dim=-1)
-    step = absmax / _qmax(bits)
+    step = absmax.clamp(min=TINY) / _qmax(bits)
     bound = step * 0.5 + absmax * 4 * torch.finfo(torch.float32).eps
     return bound.unsqueeze(-1).expand(r, nb, BLOCK).reshape(r, -1)[:, :n]
 

@@ -120,7 +120,7 @@ class RoundBody:
         feedback: ErrorFeedback | None = None,
     ) -> None:
         self.layout, self.comm, self.shard = layout, comm, shard
-        # 7.'s all-gather of the output (this rank's pieces in place): exact, or int8 changes (deltas.DeltaGather)
+        # 7.'s all-gather of the output (this rank's pieces in place): exact, or int8 / int4 changes (DeltaGather)
         self.gather_output = gather if gather is not None else lambda flat: comm.all_gather(layout, None, flat)
         self.feedback = feedback  # int8 gradients' error feedback, for commit rounds (quant.ErrorFeedback)
         self.max_grad_norm = max_grad_norm

@@ -180,11 +180,13 @@ def test_cuda_bf16_wire_and_bf16_accumulation_train() -> None:
     assert relative_error([p.float() for p in got["params"]], start) > 1e-3  # it trained
 
 
-def test_cuda_int8_gradients_and_parameters_do_not_depend_on_round_timing() -> None:
-    """int8 on NCCL: the round reads the model (the changes' base) on its own stream, after the launch's event; a
-    missing dependency on the main stream's load of the model would make the run depend on the round's timing."""
-    fast = _placed(comm_dtype="int8", grad_dtype="fp32", separate=False, gather_dtype="int8", delay=0.0)
-    slow = _placed(comm_dtype="int8", grad_dtype="fp32", separate=False, gather_dtype="int8", delay=0.05)
+@pytest.mark.parametrize("changes", ["int8", "int4"])
+def test_cuda_int8_gradients_and_parameters_do_not_depend_on_round_timing(changes: str) -> None:
+    """int8 gradients, int8 or int4 changes on NCCL: the round reads the model (the changes' base) on its own
+    stream, after the launch's event; a missing dependency on the main stream's load of the model would make the
+    run depend on the round's timing."""
+    fast = _placed(comm_dtype="int8", grad_dtype="fp32", separate=False, gather_dtype=changes, delay=0.0)
+    slow = _placed(comm_dtype="int8", grad_dtype="fp32", separate=False, gather_dtype=changes, delay=0.05)
     assert all(torch.equal(a, b) for a, b in zip(fast["params"], slow["params"]))
     exact = _placed(comm_dtype="auto", grad_dtype="fp32", separate=False)
     floats = lambda ps: [p.float() for p in ps]  # noqa: E731

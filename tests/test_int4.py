@@ -97,3 +97,15 @@ def test_int4_parameters_under_the_acco_schedule_keep_the_ranks_identical() -> N
     # measured 0.046 (int8 gradients and int4 changes against the model's dtype on the wire)
     assert relative_error(results[0]["params"][-1], exact[0]["params"][-1]) < 0.1
     assert not torch.equal(results[0]["params"][-1], exact[0]["params"][-1])
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_a_block_of_values_below_float32s_range_of_inverses_stays_within_its_bound(bits: int) -> None:
+    """A block whose largest value is below qmax / float32's largest (underflowed gradients, subnormal changes)
+    is scaled by quant.TINY: no infinite inverse, no NaN from its zeros, every element within half a step."""
+    x = torch.zeros(1, 512)
+    x[0, :255] = torch.linspace(-3e-39, 1e-38, 255)  # element 255 stays 0
+    x[0, 256:] = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 1e-37
+    back = quant.unpack(quant.pack(x, bits=bits), 512, bits=bits)
+    assert torch.isfinite(back).all() and back[0, 255] == 0
+    assert torch.all((back - x).abs() <= quant.error_bound(x, bits=bits))
