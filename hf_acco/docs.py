@@ -282,6 +282,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     ),
     "benchmark-bf16": lambda: methods_table("benchmark/bf16_wire/benchmark.json"),
     "benchmark-int8": lambda: methods_table("benchmark/int8_wire/benchmark.json", baseline="ddp-bf16"),
+    "benchmark-int8-emulated": lambda: methods_table(
+        "benchmark/int8_wire_emulated/benchmark.json", baseline="ddp-bf16"
+    ),
     "scaling": scaling_table,
     "options": options_table,
     "planner-examples": planner_examples,
