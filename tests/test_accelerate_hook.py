@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -110,9 +111,13 @@ def test_a_paced_accelerate_loop_uses_every_sample_once_at_unequal_speeds() -> N
     assert all(torch.equal(a, b) for a, b in zip(fast["params"], slow["params"]))
 
 
-def test_a_paced_accelerate_loop_with_int8_on_the_wire_keeps_the_ranks_identical() -> None:
-    """int8 gradients, int8 parameter changes and error feedback through prepare_acco, paced at unequal speeds."""
-    wire = {"comm_dtype": "int8", "gather_dtype": "int8", "error_feedback": True}
+@pytest.mark.parametrize(("changes", "error_feedback"), [("int8", True), ("int4", False)])
+def test_a_paced_accelerate_loop_with_int8_on_the_wire_keeps_the_ranks_identical(
+    changes: str, error_feedback: bool
+) -> None:
+    """int8 gradients, int8 (with error feedback) or int4 parameter changes through prepare_acco, paced at unequal
+    speeds."""
+    wire = {"comm_dtype": "int8", "gather_dtype": changes, "error_feedback": error_feedback}
     fast, slow = run_ranks(paced_loop, backend=None, wire=wire)
     exact = run_ranks(paced_loop, backend=None)[0]
     for epoch in range(2):
