@@ -11,8 +11,8 @@ the same bits. The
 next round's change starts from what the ranks hold, so each round's rounding is carried into the next one
 instead of adding up: the model stays within one round's rounding of the owner's exact result (the master and
 the optimizer state stay fp32 and exact on the owner). In int4 a block's step is its largest change / 7: for Adam a
-change is about the learning rate per element, so the model is off the master by about the learning rate, not by
-a fraction of the weights.
+change is about the learning rate per element, so the model is off the master by at most about lr / 14 (half a
+step), not by a fraction of the weights.
 
 A resume recomputes a pending commit round's output the same way, from the same base (the boundary's model, which
 the checkpoint holds exactly): it is exact.
