@@ -11,7 +11,8 @@ Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
 * ``nccl``: native ``reduce_scatter_single``.
 * ``gloo``: ``all_to_all_single`` of each bucket and a local sum. gloo's reduce-scatter is an all-reduce
   underneath, so the native call plus the all-gather moves ~1.5x the bytes of one all-reduce; the all-to-all
-  spelling moves (N-1)/N of the buffer, and with the all-gather a round moves what one all-reduce moves.
+  spelling moves (N-1)/N of the buffer, and with the all-gather a round moves what one all-reduce moves. The
+  all-gathers are sent point to point on gloo (``exchange.py``: a third of the CPU of gloo's all-gather).
 
 With ``quantized_gradients`` (int8 on the wire, ``quant.py``) every backend uses the all-to-all: each rank's chunks
 are quantised blockwise before they leave, and the owner sums the chunks it receives in fp32; on several machines
@@ -33,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from . import quant
+from .exchange import all_gather_into
 from .nodes import NodeGroups, destroy_groups, gloo_failure, machines, node, node_groups
 from .sharding import FlatLayout
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 REDUCE_SCATTER_SPELLINGS = ("auto", "native", "all_to_all")
@@ -387,7 +388,7 @@ class Communicator:
     def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
         """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the packed
         int8 or int4 changes of ``deltas.DeltaGather``)."""
-        return _all_gather(recv.view(-1), send, group=self.group, async_op=True)
+        return all_gather_into(recv.view(-1), send, self.group)
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
         """``flat`` <- every rank's shard. With ``shard=None`` each rank's pieces are already in ``flat``."""
@@ -397,7 +398,7 @@ class Communicator:
             if self.local_copies:
                 layout.piece(flat, b, 0).copy_(own)
                 continue
-            works.append(_all_gather(layout.bucket(flat, b), own, group=self.group, async_op=True))
+            works.append(all_gather_into(layout.bucket(flat, b), own, self.group, tag=b))
         for w in works:
             w.wait()
 
@@ -424,7 +425,7 @@ class DelayedCommunicator(Communicator):
         """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the packed
         int8 or int4 changes of ``deltas.DeltaGather``). Not delayed: a round whose changes travel packed takes
         only the reduce-scatter's half of ``delay_s``."""
-        return _all_gather(recv.view(-1), send, group=self.group, async_op=True)
+        return all_gather_into(recv.view(-1), send, self.group)
 
     def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
         time.sleep(self.delay_s / 2)

@@ -141,7 +141,7 @@ def _counting(sent: list[tuple[torch.dtype, int]], gathered: list[tuple[torch.dt
 
     from hf_acco import comm
 
-    all_to_all, all_gather = dist.all_to_all_single, comm._all_gather
+    all_to_all, all_gather = dist.all_to_all_single, comm.all_gather_into
 
     def counted_all_to_all(output, input, *args, **kwargs):  # noqa: ANN001, ANN202, A002 - torch's signature
         sent.append((input.dtype, input.nbytes))
@@ -151,7 +151,7 @@ def _counting(sent: list[tuple[torch.dtype, int]], gathered: list[tuple[torch.dt
         gathered.append((input.dtype, input.nbytes))
         return all_gather(output, input, *args, **kwargs)
 
-    dist.all_to_all_single, comm._all_gather = counted_all_to_all, counted_all_gather
+    dist.all_to_all_single, comm.all_gather_into = counted_all_to_all, counted_all_gather
 
 
 def _train(

@@ -1,0 +1,42 @@
+"""The round's all-gather, sent point to point on gloo (exchange.py): all_gather_into_tensor's result, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_acco.multiprocess import run_ranks
+
+
+def _gathers(rank: int, world_size: int, dtype: torch.dtype) -> dict:
+    import torch.distributed as dist
+
+    from hf_acco.exchange import Exchange, all_gather_into
+
+    group = dist.new_group()
+    n, buckets = 1000 + 7 * world_size, 5
+    mine = [torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + b)).to(dtype) for b in range(buckets)]
+    # several buckets in flight at once on one group, each with its own tag, waited for in reverse order; the even
+    # buckets send this rank's own row of the output in place, the odd ones a tensor apart (99: a value none sends)
+    outs = [torch.full((world_size * n,), 99, dtype=dtype) for _ in range(buckets)]
+    handles = []
+    for b, out in enumerate(outs):
+        own = out.view(world_size, n)[rank]
+        if b % 2 == 0:
+            own.copy_(mine[b])
+        handles.append(all_gather_into(out, own if b % 2 == 0 else mine[b], group, tag=b))
+    for handle in reversed(handles):
+        handle.wait()
+    expected = [torch.empty(world_size * n, dtype=dtype) for _ in range(buckets)]
+    for b in range(buckets):
+        dist.all_gather_into_tensor(expected[b], mine[b], group=group)
+    return {
+        "equal": all(torch.equal(o, e) for o, e in zip(outs, expected)),
+        "point_to_point": all(isinstance(h, Exchange) for h in handles),
+    }
+
+
+@pytest.mark.parametrize(("world_size", "dtype"), [(2, torch.float32), (3, torch.bfloat16), (4, torch.int8)])
+def test_the_point_to_point_all_gather_gives_the_collectives_bits(world_size: int, dtype: torch.dtype) -> None:
+    results = run_ranks(_gathers, world_size=world_size, dtype=dtype)  # int8: the packed changes of deltas.py
+    assert all(r["equal"] and r["point_to_point"] for r in results)
