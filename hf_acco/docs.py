@@ -162,6 +162,34 @@ def engine_bytes() -> str:
     return "\n".join(out) + "\n"
 
 
+def round_cpu_table(commits: tuple[str, ...] = ("ff2df1a", "1d4c8e9", "d0dff54")) -> str:
+    """``python benchmarks/round_cpu.py`` on several commits' code: a round's CPU by component (ms, 2 gloo ranks),
+    the round's own thread and all the rank's threads."""
+    runs = [json.loads((RESULTS / "engine" / "round_cpu" / f"{c}.json").read_text()) for c in commits]
+    out = ["| component of one round | " + " | ".join(f"{c}: its thread | all threads" for c in commits) + " |"]
+    out.append("|---|" + "---:|---:|" * len(commits))
+    for label in runs[0]["components"]:
+        cells = [
+            f"{r['components'][label]['thread_ms']:.2f} | {r['components'][label]['process_ms']:.2f}" for r in runs
+        ]
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+# the engine's commits from the benchmark's reference code to the point-to-point all-gather, in order
+ROUND_CPU_COMMITS = ("ff2df1a", "7cbd056", "31b3368", "e6eab23", "722ac54", "96de51e", "1d4c8e9", "d0dff54")
+
+
+def round_cpu_by_commit() -> str:
+    """``python benchmarks/round_cpu.py`` on each of ``ROUND_CPU_COMMITS``: the estimate and the whole round."""
+    out = ["| code | AdamW estimate, its thread (ms) | whole round, all threads (ms) |", "|---|---:|---:|"]
+    for commit in ROUND_CPU_COMMITS:
+        parts = json.loads((RESULTS / "engine" / "round_cpu" / f"{commit}.json").read_text())["components"]
+        estimate, whole = parts["AdamW estimate (estimate rounds)"]["thread_ms"], parts["whole round"]["process_ms"]
+        out.append(f"| {commit} | {estimate:.2f} | {whole:.2f} |")
+    return "\n".join(out) + "\n"
+
+
 def lifecycle_table() -> str:
     """``python benchmarks/engine.py lifecycle``: peak RSS per rank after each phase (MB)."""
     runs = json.loads((RESULTS / "lifecycle" / "lifecycle.json").read_text())
@@ -276,6 +304,7 @@ def quantised_wire_table(folder: str = "convergence/int8_wire") -> str:
 RENDERERS: dict[str, Callable[[], str]] = {
     "benchmark": benchmark_table,
     "benchmark-rerun": lambda: benchmark_table("benchmark/rerun_2026-12-02/benchmark.json"),
+    "benchmark-rerun-12-03": lambda: benchmark_table("benchmark/rerun_2026-12-03/benchmark.json"),
     "benchmark-heterogeneous": lambda: methods_table(
         "benchmark/heterogeneous/slow2x_ratio0.5/benchmark.json",
         "benchmark/heterogeneous/slow2x_ratio1/benchmark.json",
@@ -292,6 +321,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "memory": memory_table,
     "main-job": main_job,
     "engine-bytes": engine_bytes,
+    "round-cpu": round_cpu_table,
+    "round-cpu-by-commit": round_cpu_by_commit,
     "lifecycle": lifecycle_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),

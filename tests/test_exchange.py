@@ -1,4 +1,4 @@
-"""The round's all-gather, sent point to point on gloo (exchange.py): all_gather_into_tensor's result, bit for bit."""
+"""The round's all-gather, sent point to point on gloo (exchange.py), and the profile of a round that measured it."""
 
 from __future__ import annotations
 
@@ -40,3 +40,29 @@ def _gathers(rank: int, world_size: int, dtype: torch.dtype) -> dict:
 def test_the_point_to_point_all_gather_gives_the_collectives_bits(world_size: int, dtype: torch.dtype) -> None:
     results = run_ranks(_gathers, world_size=world_size, dtype=dtype)  # int8: the packed changes of deltas.py
     assert all(r["equal"] and r["point_to_point"] for r in results)
+
+
+def test_the_round_cpu_profile_times_every_component_of_a_round(tmp_path) -> None:  # noqa: ANN001
+    """benchmarks/round_cpu.py instruments the engine's own methods: each is called as often as a round calls it."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "round_cpu.py"
+    spec = importlib.util.spec_from_file_location("round_cpu", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--rounds", "8", "--out", str(tmp_path / "round_cpu.json")])
+    parts = json.loads((tmp_path / "round_cpu.json").read_text())["components"]
+    calls = {label: part["calls_per_round"] for label, part in parts.items()}
+    assert calls == {
+        "counts (host all-reduce)": 1.0,
+        "reduce-scatter": 1.0,
+        "global norm (with its all-reduce)": 1.0,
+        "AdamW estimate (estimate rounds)": 0.5,
+        "AdamW step (commit rounds)": 0.5,
+        "all-gather": 1.0,
+        "whole round": 1.0,
+    }
+    assert all(0 < part["thread_ms"] <= part["process_ms"] + 1e-6 for part in parts.values())
