@@ -12,7 +12,7 @@ Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
 * ``gloo``: ``all_to_all_single`` of each bucket and a local sum. gloo's reduce-scatter is an all-reduce
   underneath, so the native call plus the all-gather moves ~1.5x the bytes of one all-reduce; the all-to-all
   spelling moves (N-1)/N of the buffer, and with the all-gather a round moves what one all-reduce moves. The
-  all-gathers are sent point to point on gloo (``exchange.py``: a third of the CPU of gloo's all-gather).
+  all-gathers are sent point to point on gloo (``exchange.py``: less CPU than gloo's all-gather).
 
 With ``quantized_gradients`` (int8 on the wire, ``quant.py``) every backend uses the all-to-all: each rank's chunks
 are quantised blockwise before they leave, and the owner sums the chunks it receives in fp32; on several machines

@@ -1,10 +1,11 @@
 """The round's all-gathers, spelled per backend (``comm.py`` calls them, one bucket at a time).
 
 * gloo: point to point. Each rank sends its row straight to every other rank with the process group's own
-  ``send`` / ``recv`` (what ``dist.isend`` / ``dist.irecv`` call): the same bytes as gloo's all-gather, which on 2
-  ranks took 3x the CPU for them (16 buckets of 2 x 107 KB: 2.7 ms against 1.1, all threads). A round runs beside
-  the compute on the same cores: its CPU is the compute's loss. (The same spelling of the reduce-scatter's
-  all-to-all, its receives posted a few buckets at a time, took more CPU than gloo's own: 3.7-4.4 ms against 2.9.)
+  ``send`` / ``recv`` (what ``dist.isend`` / ``dist.irecv`` call): the same bytes as gloo's all-gather, which hands
+  every call to its worker threads and took about 2.5x the CPU for them (``benchmarks/round_cpu.py``,
+  ``recipes/results/engine/round_cpu/``). A round runs beside the compute on the same cores: its CPU is the
+  compute's loss. (The reduce-scatter's all-to-all spelled the same way, its receives posted a few buckets at a
+  time, took more CPU than gloo's own ``all_to_all_single``: ``comm.py`` keeps that.)
 * every other backend (NCCL): ``all_gather_into_tensor``.
 
 It returns a handle whose ``wait()`` blocks until this rank's rows have arrived and its own has left.
