@@ -51,6 +51,7 @@ class PeerFailure(RuntimeError):
 PEER_ERRORS = (
     "Connection reset by peer",
     "Connection closed by peer",
+    "Broken pipe",  # a write to a peer that has gone (gloo's writev)
     "Socket Timeout",
     "Timed out waiting",
     "remote process exited",

@@ -6,7 +6,7 @@
   ``recipes/results/engine/round_cpu/``). A round runs beside the compute on the same cores: its CPU is the
   compute's loss. (The reduce-scatter's all-to-all spelled the same way, its receives posted a few buckets at a
   time, took more CPU than gloo's own ``all_to_all_single``: ``comm.py`` keeps that.)
-* every other backend (NCCL): ``all_gather_into_tensor``.
+* every other backend (NCCL), and device tensors on gloo: ``all_gather_into_tensor``.
 
 It returns a handle whose ``wait()`` blocks until this rank's rows have arrived and its own has left.
 """
@@ -41,9 +41,13 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     On gloo, peers in ring order: every rank sends to rank + k while it receives from rank - k, so no pair waits on
     a third. Sends and receives of one pair and tag are matched in the order they were posted; every rank posts in
     the same order (the same buckets of the same rounds, on the round's own group)."""
-    if dist.get_backend(group) != "gloo":
+    if dist.get_backend(group) != "gloo" or output.device.type != "cpu":  # (gloo's send/recv: host tensors)
         return _all_gather(output, input, group=group, async_op=True)
     rank, size = group.rank(), group.size()
+    if input.dtype != output.dtype or input.numel() * size != output.numel():  # as the collective would refuse
+        raise ValueError(
+            f"all_gather_into: {size} x {input.numel()} {input.dtype} into {output.numel()} {output.dtype}"
+        )
     rows = output.view(size, -1)
     if rows[rank].data_ptr() != input.data_ptr():
         rows[rank].copy_(input.view(-1))

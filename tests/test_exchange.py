@@ -66,3 +66,19 @@ def test_the_round_cpu_profile_times_every_component_of_a_round(tmp_path) -> Non
         "whole round": 1.0,
     }
     assert all(0 < part["thread_ms"] <= part["process_ms"] + 1e-6 for part in parts.values())
+
+
+def _mismatched(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    from hf_acco.exchange import all_gather_into
+
+    try:
+        all_gather_into(torch.zeros(2 * world_size), torch.zeros(3), dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_point_to_point_all_gather_of_the_wrong_size_is_refused_as_the_collective_would() -> None:
+    assert all("2 x 3" in r for r in run_ranks(_mismatched, world_size=2))
