@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -66,6 +68,29 @@ def test_the_round_cpu_profile_times_every_component_of_a_round(tmp_path) -> Non
         "whole round": 1.0,
     }
     assert all(0 < part["thread_ms"] <= part["process_ms"] + 1e-6 for part in parts.values())
+    switches = json.loads((tmp_path / "round_cpu.json").read_text())["context_switches_per_round"]
+    if sys.platform.startswith("linux"):  # gloo's worker thread is woken for every collective of a round
+        assert switches > 0
+    else:
+        assert switches is None
+
+
+def test_an_exchange_waits_for_its_last_message_first() -> None:
+    """Exchange.wait: every work, the last posted first (one blocking wait where messages arrive in order)."""
+    from hf_acco.exchange import Exchange
+
+    waited = []
+
+    class Work:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def wait(self) -> bool:
+            waited.append(self.i)
+            return True
+
+    assert Exchange([Work(0), Work(1), Work(2)]).wait()
+    assert waited == [2, 1, 0]
 
 
 def _mismatched(rank: int, world_size: int) -> str:
