@@ -6,15 +6,19 @@
 The rounds (estimate and commit alternately, on random gradient sums) run on each rank's main thread through the
 engine's own round body. Each component is measured around its call: ``thread_ms`` is the calling thread's CPU,
 ``process_ms`` that of every thread of the rank (gloo's workers and socket threads too); medians over the rounds
-after a warm-up, averaged over the ranks. In the benchmark a round runs beside the compute on the same cores, so
-what it takes is the compute's loss (``compute in run / alone``). A measurement, not a test.
+after a warm-up, averaged over the ranks. ``context_switches_per_round``: of every thread of the rank over a whole
+round (median), since each wakeup of a round's thread or of gloo's costs the compute on a shared core more than its
+own CPU (``benchmarks/wakeups.py``). In the benchmark a round runs beside the compute on the same cores, so what it
+takes is the compute's loss (``compute in run / alone``). A measurement, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,6 +32,7 @@ import torch
 from hf_acco.multiprocess import run_ranks
 
 WARMUP = 6
+SWITCHES = "context switches (all threads)"
 MODEL = {"seed": 0, "hidden": 128, "layers": 3, "heads": 2, "seq": 128}  # hf_acco.bench's defaults
 COMPONENTS = {  # (object, method): label, in a round's order
     ("comm", "all_reduce_counts"): "counts (host all-reduce)",
@@ -55,7 +60,21 @@ def _timed(obj: Any, name: str, record: list) -> None:
     setattr(obj, name, wrapper)
 
 
-def _rank(rank: int, world_size: int, rounds: int) -> dict[str, list[float]]:
+def context_switches() -> int | None:
+    """Context switches so far of every thread of this process (voluntary: it blocked; involuntary: preempted), or
+    ``None`` off Linux. On a shared core each one costs the compute beside the round more than the switch itself."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+    except FileNotFoundError:
+        return None
+    return total
+
+
+def _rank(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hf_acco.bench.worker import build_model
@@ -68,16 +87,22 @@ def _rank(rank: int, world_size: int, rounds: int) -> dict[str, list[float]]:
     for (part, name), label in COMPONENTS.items():
         _timed(parts[part], name, records[label])
     buffers = opt.buffers
+    switches: list[int | None] = []
     for i in range(rounds):
         kind = RoundKind.COMMIT if i % 2 else RoundKind.ESTIMATE
         buf = buffers.hand_over(swap=kind is RoundKind.COMMIT)
         grads = buffers.grads_of(buf)
         grads.normal_(generator=torch.Generator().manual_seed(1000 * rank + i))
         dist.barrier()
+        before = context_switches()
         opt._round(kind, grads, buffers.params_of(buf), [4.0, 4.0, 0.0], opt._hparams(), threading.Event(), "bench")
+        after = context_switches()
+        switches.append(None if before is None or after is None else after - before)
         buffers.restart(kind is RoundKind.COMMIT)
     opt.close()
-    out = {}
+    out: dict[str, Any] = {}
+    after_warmup = [n for n in switches[WARMUP:] if n is not None]
+    out[SWITCHES] = statistics.median(after_warmup) if None not in switches and after_warmup else None
     for label, calls in records.items():
         kept = calls[len(calls) * WARMUP // rounds :]  # after the warm-up rounds
         out[label] = [1e3 * statistics.median(c[0] for c in kept), 1e3 * statistics.median(c[1] for c in kept)]
@@ -107,11 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     command = "python benchmarks/round_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"command": command.strip(), "code_commit": commit, "rounds": args.rounds, "model": MODEL}
     result["components"] = components
+    per_rank_switches = [r[SWITCHES] for r in per_rank]
+    result["context_switches_per_round"] = None if None in per_rank_switches else statistics.mean(per_rank_switches)
     out = Path(args.out or Path(__file__).resolve().parent.parent / f"recipes/results/engine/round_cpu/{commit}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     for label, c in components.items():
         print(f"{label:36s} thread {c['thread_ms']:6.2f} ms  all threads {c['process_ms']:6.2f} ms")
+    print(f"context switches per round, all threads: {result['context_switches_per_round']}")
     print(f"written to {out}")
 
 

@@ -190,6 +190,18 @@ def round_cpu_by_commit() -> str:
     return "\n".join(out) + "\n"
 
 
+def wakeups_table(day: str = "2026-12-03") -> str:
+    """``python benchmarks/wakeups.py``: a micro-batch beside a thread that wakes every period, on 2 processes."""
+    run = json.loads((RESULTS / "engine" / "wakeups" / f"{day}.json").read_text())
+    out = ["| a thread beside it wakes every | micro-batch wall (ms) | its CPU (ms) | wakeups per micro-batch | cost of one "
+           "wakeup (us) |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for row in run["settings"]:
+        period = f"{row['period_ms']:.1f} ms" if row["period_ms"] else "(no such thread)"
+        cost = "" if row["cost_per_wakeup_ms"] is None else f"{1e3 * row['cost_per_wakeup_ms']:.0f}"
+        out.append(f"| {period} | {row['wall_ms']:.1f} | {row['cpu_ms']:.1f} | {row['wakeups']:.1f} | {cost} |")
+    return "\n".join(out) + "\n"
+
+
 def lifecycle_table() -> str:
     """``python benchmarks/engine.py lifecycle``: peak RSS per rank after each phase (MB)."""
     runs = json.loads((RESULTS / "lifecycle" / "lifecycle.json").read_text())
@@ -323,6 +335,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "engine-bytes": engine_bytes,
     "round-cpu": round_cpu_table,
     "round-cpu-by-commit": round_cpu_by_commit,
+    "wakeups": wakeups_table,
     "lifecycle": lifecycle_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
