@@ -7,9 +7,9 @@ The rounds (estimate and commit alternately, on random gradient sums) run on eac
 engine's own round body. Each component is measured around its call: ``thread_ms`` is the calling thread's CPU,
 ``process_ms`` that of every thread of the rank (gloo's workers and socket threads too); medians over the rounds
 after a warm-up, averaged over the ranks. ``context_switches_per_round``: of every thread of the rank over a whole
-round (median), since each wakeup of a round's thread or of gloo's costs the compute on a shared core more than its
-own CPU (``benchmarks/wakeups.py``). In the benchmark a round runs beside the compute on the same cores, so what it
-takes is the compute's loss (``compute in run / alone``). A measurement, not a test.
+round (median), since each wakeup of a round's thread or of gloo's costs the compute on a shared core beside the
+round's own CPU (``benchmarks/wakeups.py``). In the benchmark a round runs beside the compute on the same cores, so
+what it takes is the compute's loss (``compute in run / alone``). A measurement, not a test.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _timed(obj: Any, name: str, record: list) -> None:
 
 def context_switches() -> int | None:
     """Context switches so far of every thread of this process (voluntary: it blocked; involuntary: preempted), or
-    ``None`` off Linux. On a shared core each one costs the compute beside the round more than the switch itself."""
+    ``None`` off Linux. On a shared core each one costs the compute beside the round (``benchmarks/wakeups.py``)."""
     total = 0
     try:
         for tid in os.listdir("/proc/self/task"):
