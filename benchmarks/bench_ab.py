@@ -10,6 +10,10 @@ machine's drift hits both), each with its own code on ``PYTHONPATH``. Printed: p
 at the shaped setting (one round = half a step's compute), acco / sync, acco / DDP, acco's overlap efficiency and
 compute in run / alone, then the medians over the rounds. A measurement, not a test: the machine is shared and
 noisy; look at the ratios of one run, side by side.
+
+Besides each run's benchmark.json and log, ``--out`` gets ``table.md`` and ``summary.json`` (the command, both
+commits, every round's figures and the medians: what ``python -m hf_acco.docs`` renders). ``--summarize`` rebuilds
+both from the runs already in ``--out``, without running anything.
 """
 
 from __future__ import annotations
@@ -54,9 +58,36 @@ def table(results: dict[str, list[dict[str, float]]]) -> str:
     for side, rows in results.items():
         for i, row in enumerate(rows):
             lines.append(f"| {side} | {i + 1} | " + " | ".join(f"{row[k]:.3f}" for k in FIGURES) + " |")
-        medians = {k: statistics.median(r[k] for r in rows) for k in FIGURES}
-        lines.append(f"| **{side}** | median | " + " | ".join(f"**{medians[k]:.3f}**" for k in FIGURES) + " |")
+        median = medians({side: rows})[side]
+        lines.append(f"| **{side}** | median | " + " | ".join(f"**{median[k]:.3f}**" for k in FIGURES) + " |")
     return "\n".join(lines)
+
+
+def medians(results: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    return {side: {k: statistics.median(r[k] for r in rows) for k in FIGURES} for side, rows in results.items()}
+
+
+def head_commit() -> str:
+    """The working tree's commit, ``-dirty`` when it has uncommitted changes to tracked files."""
+    run = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return run("rev-parse", "--short", "HEAD") + ("-dirty" if run("status", "--porcelain", "-uno") else "")
+
+
+def write_results(out: Path, results: dict[str, list[dict[str, float]]], base: str, head: str, steps: int) -> str:
+    """``table.md`` and ``summary.json`` in ``out``; returns the table."""
+    text = table(results)
+    (out / "table.md").write_text(text + "\n")
+    summary = {
+        "command": f"python benchmarks/bench_ab.py --base {base} --rounds {len(results[f'base {base}'])} "
+        f"--steps {steps}",
+        "base": base,
+        "head": head,
+        "bench": ["python", "-m", "hf_acco.bench", *BENCH, "--repeats", "1", "--steps", str(steps)],
+        "rounds": {("base" if side.startswith("base") else "head"): rows for side, rows in results.items()},
+        "medians": {("base" if side.startswith("base") else "head"): m for side, m in medians(results).items()},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return text
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -65,13 +96,32 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="runs of each side, alternated")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     p.add_argument("--out", default="outputs/bench_ab", help="folder for each run's benchmark.json and log")
+    p.add_argument("--summarize", action="store_true", help="rebuild table.md and summary.json from --out's runs")
+    p.add_argument("--head", default=None, help="with --summarize: the commit the working tree's runs ran")
     return p
+
+
+def read_runs(out: Path, base: str) -> dict[str, list[dict[str, float]]]:
+    """The figures of the runs already in ``out`` (base-1, head-1, base-2, ...), by side."""
+    results: dict[str, list[dict[str, float]]] = {f"base {base}": [], "working tree": []}
+    for side, name in ((f"base {base}", "base"), ("working tree", "head")):
+        i = 1
+        while (out / f"{name}-{i}" / "benchmark.json").is_file():
+            results[side].append(figures(json.loads((out / f"{name}-{i}" / "benchmark.json").read_text())))
+            i += 1
+    if not all(results.values()):
+        raise SystemExit(f"no base-N/ and head-N/ runs with a benchmark.json in {out}")
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.summarize:
+        print(write_results(out, read_runs(out, args.base), args.base, args.head or head_commit(), args.steps))
+        return
+    head = head_commit()
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.base], check=True)
@@ -84,9 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"[bench-ab] {side}, round {i + 1}: {results[side][-1]}", flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
-    text = table(results)
-    (out / "table.md").write_text(text + "\n")
-    print(text)
+    print(write_results(out, results, args.base, head, args.steps))
 
 
 if __name__ == "__main__":

@@ -202,6 +202,17 @@ def wakeups_table(day: str = "2026-12-03") -> str:
     return "\n".join(out) + "\n"
 
 
+def bench_ab_table(name: str = "ff2df1a_vs_afaad44") -> str:
+    """``python benchmarks/bench_ab.py``: the headline figures of each side's runs, alternated, and their medians."""
+    run = _load(f"engine/bench_ab/{name}.json")
+    figures = list(run["medians"]["base"])
+    out = ["| code | run | " + " | ".join(figures) + " |", "|---|---|" + "---:|" * len(figures)]
+    for side in ("base", "head"):
+        rows = [(str(i + 1), r) for i, r in enumerate(run["rounds"][side])] + [("median", run["medians"][side])]
+        out += [f"| {run[side]} | {i} | " + " | ".join(f"{r[k]:.3f}" for k in figures) + " |" for i, r in rows]
+    return "\n".join(out) + "\n"
+
+
 def lifecycle_table() -> str:
     """``python benchmarks/engine.py lifecycle``: peak RSS per rank after each phase (MB)."""
     runs = json.loads((RESULTS / "lifecycle" / "lifecycle.json").read_text())
@@ -336,6 +347,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "round-cpu": round_cpu_table,
     "round-cpu-by-commit": round_cpu_by_commit,
     "wakeups": wakeups_table,
+    "bench-ab-ff2df1a": bench_ab_table,
     "lifecycle": lifecycle_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),

@@ -433,3 +433,36 @@ def test_a_nodes_ranks_share_its_uplink_and_talk_fast_inside_it():
         assert 30 < send(ln, [(0, 2)])[0] < 44
         assert all(14 < mbit < 26 for mbit in send(ln, [(0, 2), (1, 3)]))
         assert send(ln, [(0, 1)])[0] > 200
+
+
+def test_bench_ab_summarises_the_runs_it_finds_side_by_side(tmp_path):
+    """benchmarks/bench_ab.py --summarize: every base-N / head-N run's headline figures, and their medians."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ab.py"
+    spec = importlib.util.spec_from_file_location("bench_ab", path)
+    assert spec is not None and spec.loader is not None
+    bench_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_ab)
+
+    def run(acco_step, sync_step=0.5, ddp_step=0.4):
+        methods = {"acco": acco_step, "sync": sync_step, "ddp": ddp_step}
+        runs = [{"method": m, "setting": s, "slow_factor": 1, "step_time_s": t, "overlap_efficiency": 0.8,
+                 "compute_slowdown": 1.1} for m, t in methods.items() for s in ("loopback", "ratio0.5")]  # fmt: skip
+        runs[0]["step_time_s"] = 9.0  # the loopback setting's acco: not a headline figure
+        return {"runs": runs}
+
+    for name, steps in (("base", (0.30, 0.40, 0.35)), ("head", (0.20, 0.25))):
+        for i, step in enumerate(steps):
+            (tmp_path / f"{name}-{i + 1}").mkdir()
+            (tmp_path / f"{name}-{i + 1}" / "benchmark.json").write_text(json.dumps(run(step)))
+    bench_ab.main(["--base", "abc1234", "--summarize", "--head", "def5678", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["base"], summary["head"]) == ("abc1234", "def5678")
+    assert [r["acco step (s)"] for r in summary["rounds"]["base"]] == [0.30, 0.40, 0.35]
+    assert summary["medians"]["base"]["acco / sync"] == pytest.approx(0.35 / 0.5)
+    assert summary["medians"]["head"]["acco / DDP"] == pytest.approx(0.225 / 0.4)
+    assert "**0.700**" in (tmp_path / "table.md").read_text()  # the base's median acco / sync
+    with pytest.raises(SystemExit, match="no base-N/ and head-N/ runs"):
+        bench_ab.main(["--base", "abc1234", "--summarize", "--out", str(tmp_path / "empty")])
