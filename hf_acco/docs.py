@@ -328,6 +328,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "benchmark": benchmark_table,
     "benchmark-rerun": lambda: benchmark_table("benchmark/rerun_2026-12-02/benchmark.json"),
     "benchmark-rerun-12-03": lambda: benchmark_table("benchmark/rerun_2026-12-03/benchmark.json"),
+    "benchmark-rerun-12-03-full": lambda: benchmark_table("benchmark/rerun_2026-12-03_full/benchmark.json"),
     "benchmark-heterogeneous": lambda: methods_table(
         "benchmark/heterogeneous/slow2x_ratio0.5/benchmark.json",
         "benchmark/heterogeneous/slow2x_ratio1/benchmark.json",

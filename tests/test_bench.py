@@ -466,3 +466,20 @@ def test_bench_ab_summarises_the_runs_it_finds_side_by_side(tmp_path):
     assert "**0.700**" in (tmp_path / "table.md").read_text()  # the base's median acco / sync
     with pytest.raises(SystemExit, match="no base-N/ and head-N/ runs"):
         bench_ab.main(["--base", "abc1234", "--summarize", "--out", str(tmp_path / "empty")])
+
+
+@pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
+def test_beside_times_micro_batches_alone_and_beside_real_rounds(tmp_path):
+    """benchmarks/beside.py: both ranks time micro-batches in both kinds of phase and real rounds beside them."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "beside.py"
+    out = tmp_path / "beside.json"
+    cmd = [sys.executable, str(script), "--mbit", "400", "--phases", "1", "--rounds", "4", "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["mbit"] == 400 and len(result["ranks"]) == 2
+    for rank in result["ranks"]:
+        assert rank["micro_batches"][0] == 11 and rank["micro_batches"][1] >= 1
+        assert rank["micro_batch_alone_ms"] > 0 and rank["round_beside_ms"] > 0
+        assert rank["beside_over_alone"] == pytest.approx(rank["micro_batch_beside_ms"] / rank["micro_batch_alone_ms"])
