@@ -12,7 +12,7 @@ Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
 * ``gloo``: ``all_to_all_single`` of each bucket and a local sum. gloo's reduce-scatter is an all-reduce
   underneath, so the native call plus the all-gather moves ~1.5x the bytes of one all-reduce; the all-to-all
   spelling moves (N-1)/N of the buffer, and with the all-gather a round moves what one all-reduce moves. The
-  all-gathers are sent point to point on gloo (``exchange.py``: less CPU than gloo's all-gather).
+  round's all-gather is gloo's own (``exchange.py`` says why; only the packed parameter changes go point to point).
 
 With ``quantized_gradients`` (int8 on the wire, ``quant.py``) every backend uses the all-to-all: each rank's chunks
 are quantised blockwise before they leave, and the owner sums the chunks it receives in fp32; on several machines
@@ -399,8 +399,8 @@ class Communicator:
             if self.local_copies:
                 layout.piece(flat, b, 0).copy_(own)
                 continue
-            works.append(all_gather_into(layout.bucket(flat, b), own, self.group, tag=b))
-        for w in reversed(works):  # the last bucket first: fewer blocking waits (exchange.Exchange.wait)
+            works.append(all_gather_into(layout.bucket(flat, b), own, self.group, point_to_point=False))
+        for w in reversed(works):  # the last bucket first: fewer blocking waits
             w.wait()
 
 

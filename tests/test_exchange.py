@@ -1,4 +1,5 @@
-"""The round's all-gather, sent point to point on gloo (exchange.py), and the profile of a round that measured it."""
+"""The rounds' all-gathers (exchange.py: point to point on gloo for the packed changes, the collective for a round's
+output), and the profile of a round that measured them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from hf_acco.multiprocess import run_ranks
 
 
-def _gathers(rank: int, world_size: int, dtype: torch.dtype) -> dict:
+def _gathers(rank: int, world_size: int, dtype: torch.dtype, point_to_point: bool = True) -> dict:
     import torch.distributed as dist
 
     from hf_acco.exchange import Exchange, all_gather_into
@@ -26,7 +27,9 @@ def _gathers(rank: int, world_size: int, dtype: torch.dtype) -> dict:
         own = out.view(world_size, n)[rank]
         if b % 2 == 0:
             own.copy_(mine[b])
-        handles.append(all_gather_into(out, own if b % 2 == 0 else mine[b], group, tag=b))
+        handles.append(
+            all_gather_into(out, own if b % 2 == 0 else mine[b], group, tag=b, point_to_point=point_to_point)
+        )
     for handle in reversed(handles):
         handle.wait()
     expected = [torch.empty(world_size * n, dtype=dtype) for _ in range(buckets)]
@@ -34,14 +37,52 @@ def _gathers(rank: int, world_size: int, dtype: torch.dtype) -> dict:
         dist.all_gather_into_tensor(expected[b], mine[b], group=group)
     return {
         "equal": all(torch.equal(o, e) for o, e in zip(outs, expected)),
-        "point_to_point": all(isinstance(h, Exchange) for h in handles),
+        "point_to_point": [isinstance(h, Exchange) for h in handles],
     }
 
 
 @pytest.mark.parametrize(("world_size", "dtype"), [(2, torch.float32), (3, torch.bfloat16), (4, torch.int8)])
 def test_the_point_to_point_all_gather_gives_the_collectives_bits(world_size: int, dtype: torch.dtype) -> None:
     results = run_ranks(_gathers, world_size=world_size, dtype=dtype)  # int8: the packed changes of deltas.py
-    assert all(r["equal"] and r["point_to_point"] for r in results)
+    assert all(r["equal"] and all(r["point_to_point"]) for r in results)
+
+
+def _round_gather(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from hf_acco import comm as comm_module
+    from hf_acco.comm import Communicator
+    from hf_acco.sharding import FlatLayout
+
+    params = [torch.zeros(300), torch.zeros(41)]
+    layout = FlatLayout(params, ["w", "b"], [0, 0], world_size, bucket_numel=64)
+    communicator = Communicator()
+    flat = torch.zeros(layout.num_buckets * layout.bucket_size)
+    for b in range(layout.num_buckets):
+        layout.piece(flat, b, rank).fill_(rank + 1)
+    spelled = []
+    inner = comm_module.all_gather_into
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        spelled.append(kwargs.get("point_to_point", True))
+        return inner(*args, **kwargs)
+
+    comm_module.all_gather_into = spy
+    communicator.all_gather(layout, None, flat)
+    comm_module.all_gather_into = inner
+    rows = flat.view(layout.num_buckets, world_size, layout.chunk)
+    filled = all(bool((rows[:, r] == r + 1).all()) for r in range(world_size))
+    communicator.destroy()
+    dist.barrier()
+    return {"filled": filled, "point_to_point": spelled, "buckets": layout.num_buckets}
+
+
+def test_a_rounds_output_is_all_gathered_by_gloos_own_collective() -> None:
+    """Communicator.all_gather (a round's exact output): the collective on gloo, every bucket, every rank's pieces.
+    Point to point it took less CPU but made the round longer beside the compute (exchange.py)."""
+    results = run_ranks(_round_gather, world_size=2)
+    assert all(r["filled"] and r["point_to_point"] == [False] * r["buckets"] for r in results)
+    assert results[0]["buckets"] > 1
 
 
 def test_the_round_cpu_profile_times_every_component_of_a_round(tmp_path) -> None:  # noqa: ANN001
