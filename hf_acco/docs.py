@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -213,6 +214,24 @@ def bench_ab_table(name: str = "ff2df1a_vs_afaad44") -> str:
     return "\n".join(out) + "\n"
 
 
+def beside_table(folder: str, order: tuple[str, ...]) -> str:
+    """``python benchmarks/beside.py`` on several commits' code (``PYTHONPATH=<worktree>``), runs alternated: the
+    medians over runs and ranks of a micro-batch alone and beside back-to-back rounds, and of the round's wall."""
+    runs: dict[str, list[dict]] = {}
+    for path in sorted((RESULTS / "engine" / "beside" / folder).glob("*.json")):
+        run = json.loads(path.read_text())
+        runs.setdefault(run["code_commit"], []).extend(run["ranks"])
+    med = lambda ranks, key: statistics.median(r[key] for r in ranks)  # noqa: E731
+    out = ["| code | runs x ranks | micro-batch alone (ms) | beside the rounds (ms) | ratio | round beside (ms) |"]
+    out.append("|---|---:|---:|---:|---:|---:|")
+    for code in order:
+        ranks = runs[code]
+        cells = [med(ranks, k) for k in ("micro_batch_alone_ms", "micro_batch_beside_ms", "beside_over_alone")]
+        out.append(f"| {code} | {len(ranks)} | {cells[0]:.1f} | {cells[1]:.1f} | {cells[2]:.3f} | "
+                   f"{med(ranks, 'round_beside_ms'):.1f} |")  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
 def lifecycle_table() -> str:
     """``python benchmarks/engine.py lifecycle``: peak RSS per rank after each phase (MB)."""
     runs = json.loads((RESULTS / "lifecycle" / "lifecycle.json").read_text())
@@ -349,6 +368,10 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "round-cpu-by-commit": round_cpu_by_commit,
     "wakeups": wakeups_table,
     "bench-ab-ff2df1a": bench_ab_table,
+    "bench-ab-gloo-all-gather": lambda: bench_ab_table("691166d_vs_cdb2a70"),
+    "bench-ab-gloo-all-gather-first": lambda: bench_ab_table("691166d_vs_691166d-dirty"),
+    "beside-bisect": lambda: beside_table("bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")),
+    "beside-landing": lambda: beside_table("landing_2026-12-03", ("691166d", "cdb2a70")),
     "lifecycle": lifecycle_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
