@@ -1,8 +1,8 @@
 """The rounds' all-gathers, spelled per backend and payload (``comm.py`` calls them, one bucket at a time).
 
 * The exact all-gather of a round's output: ``all_gather_into_tensor`` on every backend. On gloo it was sent point
-  to point for a while (below): a round then took less CPU but longer beside the compute on the benchmark's shaped
-  link, and acco's step was slower (``benchmarks/beside.py``, ``benchmarks/bench_ab.py``: ``docs/benchmarks.md``).
+  to point for a while (below): a round then took less CPU, but longer beside the compute on the benchmark's shaped
+  link, and the compute beside it was no faster (``benchmarks/beside.py``: ``docs/benchmarks.md``).
 * The packed int8 / int4 parameter changes of ``deltas.py`` on gloo: point to point. Each rank sends its row straight
   to every other rank with the process group's own ``send`` / ``recv`` (what ``dist.isend`` / ``dist.irecv`` call):
   the same bytes as gloo's all-gather, which hands every call to its worker threads and took about 2.5x the CPU for
