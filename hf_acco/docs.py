@@ -368,6 +368,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "round-cpu-by-commit": round_cpu_by_commit,
     "wakeups": wakeups_table,
     "bench-ab-ff2df1a": bench_ab_table,
+    "bench-ab-ff2df1a-final": lambda: bench_ab_table("ff2df1a_vs_8966971"),
     "bench-ab-gloo-all-gather": lambda: bench_ab_table("691166d_vs_cdb2a70"),
     "bench-ab-gloo-all-gather-first": lambda: bench_ab_table("691166d_vs_691166d-dirty"),
     "beside-bisect": lambda: beside_table("bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")),
