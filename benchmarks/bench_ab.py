@@ -55,10 +55,11 @@ def run_side(code: Path, out: Path, steps: int) -> dict[str, float]:
 
 def table(results: dict[str, list[dict[str, float]]]) -> str:
     lines = ["| side | round | " + " | ".join(FIGURES) + " |", "|---|---|" + "---|" * len(FIGURES)]
+    middle = medians(results)
     for side, rows in results.items():
         for i, row in enumerate(rows):
             lines.append(f"| {side} | {i + 1} | " + " | ".join(f"{row[k]:.3f}" for k in FIGURES) + " |")
-        median = medians({side: rows})[side]
+        median = middle[side]
         lines.append(f"| **{side}** | median | " + " | ".join(f"**{median[k]:.3f}**" for k in FIGURES) + " |")
     return "\n".join(lines)
 

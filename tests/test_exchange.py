@@ -68,8 +68,10 @@ def _round_gather(rank: int, world_size: int) -> dict:
         return inner(*args, **kwargs)
 
     comm_module.all_gather_into = spy
-    communicator.all_gather(layout, None, flat)
-    comm_module.all_gather_into = inner
+    try:
+        communicator.all_gather(layout, None, flat)
+    finally:
+        comm_module.all_gather_into = inner
     rows = flat.view(layout.num_buckets, world_size, layout.chunk)
     filled = all(bool((rows[:, r] == r + 1).all()) for r in range(world_size))
     communicator.destroy()
