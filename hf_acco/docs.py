@@ -75,9 +75,9 @@ def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
     """The headline benchmark's ratios per setting (``python -m hf_acco.bench``; definitions: bench/report.py)."""
     runs = _load(path)["runs"]
     rows = [
-        "| setting | link | comm / compute | acco / sync | acco / DDP | acco overlap efficiency | "
-        "time to target / DDP: acco fixed, acco dynamic |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| setting | link | comm / compute | acco / sync | acco / DDP | acco overlap efficiency "
+        "| compute of a step (s) | acco's compute in run / alone | time to target / DDP: acco fixed, acco dynamic |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for setting, by in _by_setting(runs):
         acco, sync, ddp = by[("acco", "fixed")], by[("sync", "fixed")], by[("ddp", "fixed")]
@@ -92,7 +92,8 @@ def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
         rows.append(
             f"| {setting} | {link} | {acco['comm_over_compute_measured']:.2f} | "
             f"{acco['step_time_s'] / sync['step_time_s']:.2f} | {acco['step_time_s'] / ddp['step_time_s']:.2f} "
-            f"| {eff} | {_to_target(acco, ddp)}, {_to_target(dynamic, ddp)} |"
+            f"| {eff} | {acco['t_compute_s']:.3f} | {acco['compute_slowdown']:.2f} "
+            f"| {_to_target(acco, ddp)}, {_to_target(dynamic, ddp)} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -348,6 +349,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "benchmark-rerun": lambda: benchmark_table("benchmark/rerun_2026-12-02/benchmark.json"),
     "benchmark-rerun-12-03": lambda: benchmark_table("benchmark/rerun_2026-12-03/benchmark.json"),
     "benchmark-rerun-12-03-full": lambda: benchmark_table("benchmark/rerun_2026-12-03_full/benchmark.json"),
+    "benchmark-batch16": lambda: benchmark_table("benchmark/batch16/benchmark.json"),
     "benchmark-heterogeneous": lambda: methods_table(
         "benchmark/heterogeneous/slow2x_ratio0.5/benchmark.json",
         "benchmark/heterogeneous/slow2x_ratio1/benchmark.json",
