@@ -86,23 +86,6 @@ def test_compute_slowdown_and_cpu_share():
     assert combined["compute_slowdown"] == pytest.approx(1.25) and combined["cpu_per_wall"] == [[0.75, 0.75]] * 2
 
 
-def test_compute_slowdown_weighs_every_position_of_a_step():
-    # dpu-like: one round per step runs beside the first micro-batch only (1.3x), the other three are unslowed;
-    # a median over all micro-batches would read 1.0
-    dpu = rank_log("dpu", t_micro=0.1)
-    dpu.update(t_base=0.1, micro_batch_compute_s=[0.13, 0.1, 0.1, 0.1] * 6)
-    s = report.summarise_run([dpu, dpu], t_comm=0.2, link_mbit=None, window=4)
-    assert s["compute_slowdown"] == pytest.approx((1.3 + 1.0 + 1.0 + 1.0) / 4)
-    # DDP times k - 1 micro-batches a step (its last backward all-reduces): the positions stay aligned
-    ddp = rank_log("ddp", t_micro=0.1)
-    ddp.update(t_base=0.1, micro_batch_compute_s=[9.0, 9.0, 9.0] * 2 + [0.12, 0.1, 0.1] * 4)
-    s = report.summarise_run([ddp, ddp], t_comm=0.2, link_mbit=None, window=4)
-    assert s["compute_slowdown"] == pytest.approx((1.2 + 1.0 + 1.0) / 3)
-    # dynamic: steps of different lengths, each position over the steps that reached it
-    assert report.in_run_compute([1, 1, 2, 4, 6, 2, 4], [2, 3, 2], skip=1) == pytest.approx((2 + 4 + 6) / 3)
-    assert report.in_run_compute([1.0] * 8, [4, 4]) is None  # nothing after the start-up steps
-
-
 def test_ddp_exposed_communication_is_what_compute_does_not_explain():
     ranks = [rank_log("ddp", step=0.7, t_micro=0.1)] * 2
     s = report.summarise_run(ranks, t_comm=0.5, link_mbit=None, window=4)

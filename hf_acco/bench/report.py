@@ -14,12 +14,9 @@ Definitions (per method and setting; times in seconds, per optimizer step unless
   the link rate (``t_compute`` alone when the link is not shaped).
 - ``peak_mem_bytes``: peak resident memory of the process during the run (the peak is reset before each run);
   ``run_mem_bytes``: that peak minus what the process held just before the run.
-- ``compute_slowdown``: a micro-batch's forward + backward while training over the same alone (the larger of
-  the ranks'): above 1 where the run's own communication (gloo's threads, the kernel's network work, the round's
-  optimizer update) takes CPU from compute on the same cores. Each position in the step (first micro-batch,
-  second, ...) takes its median over the steps, and the figure is their mean: a round that runs beside only
-  part of a step (dpu's, beside the first micro-batches) slows those, and a median over all micro-batches would
-  pick an unslowed one. (Results written before 2026-12-03's main run took that plain median.)
+- ``compute_slowdown``: a micro-batch's forward + backward while training over the same alone (median over
+  the run, the larger of the ranks'): above 1 where the run's own communication (gloo's threads, the kernel's
+  network work, the round's optimizer update) takes CPU from compute on the same cores.
 - ``cpu_per_wall``: CPU seconds of each rank's process (all threads) over the run's wall-clock.
 - ``time_to_target_s``: first time the training loss, averaged over a sliding window of the latest micro-batches
   of all ranks, is at or below the target; ``None`` when never.
@@ -43,21 +40,6 @@ def step_intervals(step_ends: Sequence[float], skip: int = WARMUP_STEPS) -> list
 
 def median_or_none(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def in_run_compute(times: Sequence[float], per_step: Sequence[int], skip: int = WARMUP_STEPS) -> float | None:
-    """A micro-batch's compute in the run: the mean over a step's positions of each position's median over the
-    steps (``times``: every timed micro-batch in order, ``per_step`` of them in each step), start-up steps left
-    out. ``None`` without timings after the start-up."""
-    steps, start = [], 0
-    for n in per_step:
-        steps.append(list(times[start : start + n]))
-        start += n
-    steps = [s for s in steps[skip:] if s]
-    if not steps:
-        return None
-    positions = [[s[j] for s in steps if len(s) > j] for j in range(max(map(len, steps)))]
-    return statistics.mean(statistics.median(p) for p in positions)
 
 
 NEGLIGIBLE_COMM = 0.05  # communication under 5 % of compute: nothing worth hiding, the ratio would be noise
@@ -146,9 +128,9 @@ def summarise_run(
         sum(tok for t, _, tok in r["records"] if t > r0["step_ends"][WARMUP_STEPS - 1]) for r in run
     ) if steps > WARMUP_STEPS else 0  # fmt: skip
     timed_seconds = r0["step_ends"][-1] - r0["step_ends"][WARMUP_STEPS - 1] if steps > WARMUP_STEPS else None
-    # DDP's last micro-batch of a step also all-reduces: the worker does not time it as compute
-    timed = [[n - (method_parts(r0["method"])[0] == "ddp") for n in r["micro_batches"]] for r in run]
-    in_run = [in_run_compute(r.get("micro_batch_compute_s", []), counts) for r, counts in zip(run, timed)]
+    in_run = [  # after the start-up steps' micro-batches
+        median_or_none(r.get("micro_batch_compute_s", [])[sum(r["micro_batches"][:WARMUP_STEPS]) :]) for r in run
+    ]
     slowdown = [c / r["t_base"] for c, r in zip(in_run, run) if c is not None and r.get("t_base")]
     return {
         "method": r0["method"],
