@@ -22,7 +22,7 @@ test-gpu:
 
 # The default suite against the newest releases (no constraints.txt), in a new virtual environment: what a newer
 # transformers / accelerate / pytest breaks. torch stays pinned (the CPU wheel; an upgrade would pull a CUDA build).
-# Passing? Refresh constraints.txt and hf_acco/versions.py from the pip freeze it prints.
+# Passing? Refresh constraints.txt and hf_acco/integrations/versions.py from the pip freeze it prints.
 test-latest:
 	rm -rf .venv-latest && $(PY) -m venv .venv-latest
 	. .venv-latest/bin/activate && python3 -m pip install torch==2.13.0 && \
@@ -36,4 +36,4 @@ bench-ab:
 
 # The tables of README.md and docs/ from the code and recipes/results/ (tests/test_docs.py checks they are current)
 docs:
-	$(PY) -m hf_acco.docs
+	$(PY) -m hf_acco.tools.docs

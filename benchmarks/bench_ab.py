@@ -12,8 +12,8 @@ compute in run / alone, then the medians over the rounds. A measurement, not a t
 noisy; look at the ratios of one run, side by side.
 
 Besides each run's benchmark.json and log, ``--out`` gets ``table.md`` and ``summary.json`` (the command, both
-commits, every round's figures and the medians: what ``python -m hf_acco.docs`` renders). ``--summarize`` rebuilds
-both from the runs already in ``--out``, without running anything.
+commits, every round's figures and the medians: what ``python -m hf_acco.tools.docs`` renders).
+``--summarize`` rebuilds both from the runs already in ``--out``, without running anything.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODEL = {"seed": 0, "hidden": 128, "layers": 3, "heads": 2, "seq": 128}  # hf_acco.bench's defaults
+MODEL = {"seed": 0, "hidden": 128, "layers": 3, "heads": 2, "seq": 128}  # hf_acco.tools.bench's defaults
 BATCH = 8
 ALONE_MICRO_BATCHES = 12
 
@@ -36,7 +36,7 @@ ALONE_MICRO_BATCHES = 12
 def _rounds(opt: Any, count: int, walls: list[float]) -> None:
     import torch
 
-    from hf_acco.core import RoundKind
+    from hf_acco.engine.core import RoundKind
 
     buffers = opt.buffers
     for i in range(count):
@@ -55,8 +55,8 @@ def _rank(phases: int, rounds: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from hf_acco.bench.worker import build_model
-    from hf_acco.core import ACCOOptimizer
+    from hf_acco.engine.core import ACCOOptimizer
+    from hf_acco.tools.bench.worker import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=12, help="rounds per beside phase")
     p.add_argument("--out", default="outputs/beside.json")
     args = p.parse_args(argv)
-    from hf_acco.bench.link import Link, unavailable
+    from hf_acco.tools.bench.link import Link, unavailable
 
     if (why := unavailable()) is not None:
         raise SystemExit(f"benchmarks/beside.py needs the benchmark's shaped link: {why}")

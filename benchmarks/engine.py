@@ -27,10 +27,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_acco import ACCOOptimizer  # noqa: E402
-from hf_acco.bench.link import tx_bytes  # noqa: E402
-from hf_acco.comm import Communicator, DelayedCommunicator  # noqa: E402
-from hf_acco.multiprocess import run_ranks  # noqa: E402
-from hf_acco.sharding import FlatLayout  # noqa: E402
+from hf_acco.comm.communicator import Communicator, DelayedCommunicator  # noqa: E402
+from hf_acco.comm.sharding import FlatLayout  # noqa: E402
+from hf_acco.tools.bench.link import tx_bytes  # noqa: E402
+from hf_acco.tools.multiprocess import run_ranks  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, vocab: int = 512):
@@ -263,7 +263,7 @@ def _rss() -> int:
 def lifecycle_rank(rank: int, world_size: int, hidden: int, layers: int, directory: str, load: bool) -> dict:
     """Peak RSS after each phase: build and train 3 steps, evaluate (committed parameters), save, or (``load``)
     build and resume from ``directory``, then one more step."""
-    from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state
+    from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
 
     torch.set_num_threads(1)
     model = build_model(hidden, layers, vocab=4096)

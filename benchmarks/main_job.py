@@ -4,7 +4,7 @@
 
 Runs ``accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py`` exactly as
 the README gives it, then writes its ``metrics.json`` with the command and the machine beside it; the README's
-figures are rendered from that file (``python -m hf_acco.docs``).
+figures are rendered from that file (``python -m hf_acco.tools.docs``).
 """
 
 from __future__ import annotations

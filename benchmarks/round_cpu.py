@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from hf_acco.multiprocess import run_ranks
+from hf_acco.tools.multiprocess import run_ranks
 
 WARMUP = 6
 SWITCHES = "context switches (all threads)"
-MODEL = {"seed": 0, "hidden": 128, "layers": 3, "heads": 2, "seq": 128}  # hf_acco.bench's defaults
+MODEL = {"seed": 0, "hidden": 128, "layers": 3, "heads": 2, "seq": 128}  # hf_acco.tools.bench's defaults
 COMPONENTS = {  # (object, method): label, in a round's order
     ("comm", "all_reduce_counts"): "counts (host all-reduce)",
     ("comm", "reduce_scatter"): "reduce-scatter",
@@ -77,8 +77,8 @@ def context_switches() -> int | None:
 def _rank(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from hf_acco.bench.worker import build_model
-    from hf_acco.core import ACCOOptimizer, RoundKind
+    from hf_acco.engine.core import ACCOOptimizer, RoundKind
+    from hf_acco.tools.bench.worker import build_model
 
     model = build_model(MODEL)
     opt = ACCOOptimizer(model.parameters(), micro_batches=4, max_grad_norm=1.0, lr=2e-3, weight_decay=0.0)

@@ -2,14 +2,13 @@
 
     python benchmarks/wakeups.py [--micro_batches 40] [--out recipes/results/engine/wakeups/<date>.json]
 
-Two processes (as two ranks on two cores) each run the benchmark's micro-batch (forward + backward of hf_acco.bench's
-model, one thread) while a second thread of the same process sleeps and wakes every ``period`` (doing nothing
-else), for a few periods and without one. Printed per setting: the median micro-batch's wall time and its thread's
-CPU, the waker's wakeups per micro-batch, and what one wakeup cost the micro-batch (its wall time over the
-baseline's, per wakeup). A round's threads (the round's own, gloo's worker and socket threads) wake each time a
-message is sent or arrives, so their number, not only their CPU, is what a round takes from the compute
-(``benchmarks/round_cpu.py`` counts them per round). A measurement, not a test.
-"""
+Two processes (as two ranks on two cores) each run the benchmark's micro-batch (forward + backward of
+hf_acco.tools.bench's model, one thread) while a second thread of the same process sleeps and wakes every ``period``
+(doing nothing else), for a few periods and without one. Printed per setting: the median micro-batch's wall time and
+its thread's CPU, the waker's wakeups per micro-batch, and what one wakeup cost the micro-batch (its wall time over the
+baseline's, per wakeup). A round's threads (the round's own, gloo's worker and socket threads) wake each time a message
+is sent or arrives, so their number, not only their CPU, is what a round takes from the compute
+(``benchmarks/round_cpu.py`` counts them per round). A measurement, not a test."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 PERIODS_MS = (0.0, 2.0, 1.0, 0.5)  # 0: no waker (the baseline)
-MODEL = {"seed": 0, "hidden": 128, "layers": 3, "heads": 2, "seq": 128}  # hf_acco.bench's defaults
+MODEL = {"seed": 0, "hidden": 128, "layers": 3, "heads": 2, "seq": 128}  # hf_acco.tools.bench's defaults
 BATCH = 8
 
 
@@ -37,7 +36,7 @@ def _waker(period_s: float, stop: threading.Event, wakeups: list[int]) -> None:
 def _process(period_ms: float, micro_batches: int, results: mp.Queue) -> None:
     import torch
 
-    from hf_acco.bench.worker import build_model
+    from hf_acco.tools.bench.worker import build_model
 
     torch.set_num_threads(1)
     model = build_model(MODEL)

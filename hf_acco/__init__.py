@@ -1,8 +1,17 @@
-"""hf_acco: ACCO (Accumulate While You Communicate) for the Hugging Face training stack."""
+"""hf_acco: ACCO (Accumulate While You Communicate) for the Hugging Face training stack.
 
-from .claims import ClaimingBatchSampler
-from .comm import Communicator, check_world_size
-from .core import (
+The public API: ``ACCOTrainer`` / ``ACCOConfig`` (a drop-in for ``transformers.Trainer``), ``prepare_acco`` /
+``acco_dataloader`` (a hand-written Accelerate loop), ``ACCOOptimizer`` (the engine, torch only), ``hf_acco.trl``
+(TRL's trainers), and the commands ``python -m hf_acco.plan``, ``python -m hf_acco.memory``,
+``python -m hf_acco.bench``, ``python -m hf_acco.checkpoint``. Where each part lives: ``docs/architecture.md``.
+"""
+
+import importlib
+
+from hf_acco.comm.communicator import Communicator, check_world_size
+from hf_acco.comm.groups import end_training
+from hf_acco.comm.sharding import FlatLayout
+from hf_acco.engine.core import (
     ACCOOptimizer,
     Accumulation,
     Phase,
@@ -10,20 +19,25 @@ from .core import (
     Schedule,
     consolidate_state_dicts,
 )
-from .pacing import Pacer
-from .sharding import FlatLayout
+from hf_acco.pacing.claims import ClaimingBatchSampler
+from hf_acco.pacing.pacer import Pacer
+
+# The Hugging Face glue is imported on first use: the engine needs only torch, a hand-written Accelerate loop
+# loads no transformers. Name -> the module of hf_acco/integrations/ that defines it.
+_GLUE = {
+    "ACCOConfig": "config",
+    "ACCOConfigMixin": "config",
+    "ACCOTrainer": "trainer",
+    "ACCOTrainerMixin": "trainer",
+    "prepare_acco": "accelerate",
+    "acco_dataloader": "accelerate",
+}
 
 
 def __getattr__(name: str):  # noqa: ANN202
-    """The Hugging Face glue (ACCOConfig, ACCOTrainer) is imported on first use: the engine needs only torch."""
-    if name in ("ACCOConfig", "ACCOConfigMixin"):
-        from . import config
-
-        return getattr(config, name)
-    if name in ("ACCOTrainer", "ACCOTrainerMixin"):
-        from . import trainer
-
-        return getattr(trainer, name)
+    if name in _GLUE:
+        module = importlib.import_module(f"hf_acco.integrations.{_GLUE[name]}")
+        return getattr(module, name)
     raise AttributeError(f"module 'hf_acco' has no attribute {name!r}")
 
 
@@ -43,6 +57,9 @@ __all__ = [
     "Phase",
     "RoundKind",
     "Schedule",
+    "acco_dataloader",
     "check_world_size",
     "consolidate_state_dicts",
+    "end_training",
+    "prepare_acco",
 ]

@@ -44,8 +44,9 @@ from transformers import (
     set_seed,
 )
 
-from hf_acco import ACCOConfig, ACCOTrainer
-from hf_acco.alpaca import (
+from hf_acco import ACCOConfig, ACCOTrainer, end_training
+from hf_acco.integrations.baselines import baseline_arguments, check_ddp_wrapped
+from hf_acco.tasks.alpaca import (
     build_word_tokenizer,
     check_records,
     format_prompt,
@@ -54,8 +55,6 @@ from hf_acco.alpaca import (
     normalise,
     tokenize_example,
 )
-from hf_acco.baselines import baseline_arguments, check_ddp_wrapped
-from hf_acco.distributed import end_training
 
 # Defaults for the offline main job; anything given on the command line comes after them and wins.
 DEFAULT_TRAINING_ARGS = [

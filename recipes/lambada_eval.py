@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
-from hf_acco.lambada import METRIC_PATH, batches, encode_pair, load_jsonl_texts, score, split_context_target
+from hf_acco.tasks.lambada import METRIC_PATH, batches, encode_pair, load_jsonl_texts, score, split_context_target
 
 
 @dataclass

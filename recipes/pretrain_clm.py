@@ -38,10 +38,9 @@ from transformers import (
     default_data_collator,
 )
 
-from hf_acco import ACCOConfig, ACCOTrainer
-from hf_acco.baselines import baseline_arguments, bf16_wire_hook, check_ddp_wrapped
-from hf_acco.distributed import end_training
-from hf_acco.lambada import encode_pair, load_jsonl_texts, score, split_context_target
+from hf_acco import ACCOConfig, ACCOTrainer, end_training
+from hf_acco.integrations.baselines import baseline_arguments, bf16_wire_hook, check_ddp_wrapped
+from hf_acco.tasks.lambada import encode_pair, load_jsonl_texts, score, split_context_target
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_TRAINING_ARGS = [

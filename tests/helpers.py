@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from hf_acco.multiprocess import free_port
-from hf_acco.sharding import FlatLayout
+from hf_acco.comm.sharding import FlatLayout
+from hf_acco.tools.multiprocess import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from hf_acco.accelerate_hook import prepare_acco
-from hf_acco.multiprocess import run_ranks
+from hf_acco import prepare_acco
+from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import rel
 from .models import batch, tiny_llama
@@ -71,7 +71,7 @@ def paced_loop(rank: int, world_size: int, epochs: int = 2, wire: dict | None = 
     """The loop of accelerate_hook's docstring: rank 1 three times slower, every sample once per epoch."""
     import time
 
-    from hf_acco.accelerate_hook import acco_dataloader
+    from hf_acco import acco_dataloader
 
     set_seed(0)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from hf_acco.bench import link, report
-from hf_acco.bench.__main__ import summarise_setting
+from hf_acco.tools.bench import link, report
+from hf_acco.tools.bench.headline import summarise_setting
 
 
 def rank_log(method, *, step=0.5, steps=6, k=4, t_micro=0.1, wait=0.05, loss0=5.0, tx=None, mem=100, acc="fixed"):
@@ -262,7 +262,7 @@ print(10 * 8 * (1 << 20) / (time.perf_counter() - t0) / 1e6)
 
 
 def _ddp_with_the_bf16_wire_hook(rank: int, world_size: int) -> torch.Tensor:
-    from hf_acco.baselines import bf16_wire_hook
+    from hf_acco.integrations.baselines import bf16_wire_hook
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -275,8 +275,8 @@ def _ddp_with_the_bf16_wire_hook(rank: int, world_size: int) -> torch.Tensor:
 def test_the_benchmarks_ddp_bf16_hook_averages_in_bf16() -> None:
     """What the benchmark's ``ddp-bf16`` runs: each rank's gradient rounded to bf16, averaged (as torch's
     bf16_compress_hook, which DDP refuses off NCCL)."""
-    from hf_acco.bench.report import gather_of, method_parts
-    from hf_acco.multiprocess import run_ranks
+    from hf_acco.tools.bench.report import gather_of, method_parts
+    from hf_acco.tools.multiprocess import run_ranks
 
     grads = run_ranks(_ddp_with_the_bf16_wire_hook)
     local = [3 * torch.full((2, 4), 0.1 + r / 3) for r in range(2)]
@@ -326,7 +326,7 @@ def test_a_bridge_joins_n_ranks_each_shaped_both_ways_and_is_removed():
 def test_emulated_compute_takes_the_stated_time_and_carries_the_ballast():
     """A micro-batch's real gradients, then waits: forward to 1/3 of the stated time, each layer's backward to
     its share (last layer first), the end at the stated time; the ballast adds its elements, with gradients."""
-    from hf_acco.bench.worker import Emulation, batches, build_model, compute_alone, load_tokens
+    from hf_acco.tools.bench.worker import Emulation, batches, build_model, compute_alone, load_tokens
 
     spec = {"seed": 0, "hidden": 16, "layers": 3, "heads": 1, "seq": 16, "batch": 2}
     plain = sum(p.numel() for p in build_model(spec).parameters())
@@ -352,7 +352,8 @@ def test_the_scaling_benchmark_at_2_and_3_ranks(tmp_path):
     """The whole scaling command, small: 2 and 3 ranks on a bridge, emulated compute, a slow rank at 3, the
     planner's fit and its recommendation check (about 3 minutes)."""
     out = tmp_path / "scaling"
-    cmd = [sys.executable, "-m", "hf_acco.bench.scaling", "--world_sizes", "2", "3", "--steps", "5", "--repeats", "1",
+    cmd = [sys.executable, "-m", "hf_acco.tools.bench.scaling", "--world_sizes", "2", "3", "--steps", "5",
+           "--repeats", "1",
            "--params", "1e6", "--check", "3:1.0", "--check_micro_batches", "2", "4", "--slow", "3:2",
            "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

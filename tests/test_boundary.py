@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_acco import ACCOOptimizer
-from hf_acco.multiprocess import run_ranks
+from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import clones
 from .models import batch, decay_groups, mean_loss, tiny_llama

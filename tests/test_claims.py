@@ -1,5 +1,5 @@
-"""Claimed micro-batches (hf_acco.claims): at unequal, jittered speeds every sample is used exactly once per epoch,
-and an epoch resumed mid-way on another number of ranks neither repeats nor skips one."""
+"""Claimed micro-batches (hf_acco.pacing.claims): at unequal, jittered speeds every sample is used exactly once per
+epoch, and an epoch resumed mid-way on another number of ranks neither repeats nor skips one."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_acco.claims import ClaimingBatchSampler, default_store
-from hf_acco.multiprocess import run_ranks
+from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
+from hf_acco.tools.multiprocess import run_ranks
 
 N, BATCH = 203, 4  # a short last batch
 

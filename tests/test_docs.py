@@ -1,4 +1,4 @@
-"""The README's and docs' rendered tables are what their commands render now (`python -m hf_acco.docs`), the
+"""The README's and docs' rendered tables are what their commands render now (`python -m hf_acco.tools.docs`), the
 options table names every ACCO setting, and a removed setting is refused with what to do instead."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import re
 
 import pytest
 
-from hf_acco import docs
+from hf_acco.tools import docs
 
 
 def test_every_rendered_block_is_up_to_date():
-    assert docs.stale() == [], "rerun `python -m hf_acco.docs` and commit the result"
+    assert docs.stale() == [], "rerun `python -m hf_acco.tools.docs` and commit the result"
 
 
 def test_the_options_table_names_every_acco_setting_with_its_default():
-    from hf_acco.config import REMOVED_SETTINGS, ACCOConfigMixin
+    from hf_acco.integrations.config import REMOVED_SETTINGS, ACCOConfigMixin
 
     readme = (docs.ROOT / "README.md").read_text()
     block = re.search(r"<!-- rendered: options -->\n(.*?)<!-- /rendered -->", readme, re.S).group(1)

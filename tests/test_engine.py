@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer, check_world_size
-from hf_acco.multiprocess import run_ranks
+from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import clones
 from .models import batch, mean_loss, tiny_llama

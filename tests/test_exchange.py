@@ -8,13 +8,13 @@ import sys
 import pytest
 import torch
 
-from hf_acco.multiprocess import run_ranks
+from hf_acco.tools.multiprocess import run_ranks
 
 
 def _gathers(rank: int, world_size: int, dtype: torch.dtype, point_to_point: bool = True) -> dict:
     import torch.distributed as dist
 
-    from hf_acco.exchange import Exchange, all_gather_into
+    from hf_acco.comm.exchange import Exchange, all_gather_into
 
     group = dist.new_group()
     n, buckets = 1000 + 7 * world_size, 5
@@ -50,9 +50,9 @@ def test_the_point_to_point_all_gather_gives_the_collectives_bits(world_size: in
 def _round_gather(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from hf_acco import comm as comm_module
-    from hf_acco.comm import Communicator
-    from hf_acco.sharding import FlatLayout
+    from hf_acco.comm import communicator as comm_module
+    from hf_acco.comm.communicator import Communicator
+    from hf_acco.comm.sharding import FlatLayout
 
     params = [torch.zeros(300), torch.zeros(41)]
     layout = FlatLayout(params, ["w", "b"], [0, 0], world_size, bucket_numel=64)
@@ -120,7 +120,7 @@ def test_the_round_cpu_profile_times_every_component_of_a_round(tmp_path) -> Non
 
 def test_an_exchange_waits_for_its_last_message_first() -> None:
     """Exchange.wait: every work, the last posted first (one blocking wait where messages arrive in order)."""
-    from hf_acco.exchange import Exchange
+    from hf_acco.comm.exchange import Exchange
 
     waited = []
 
@@ -139,7 +139,7 @@ def test_an_exchange_waits_for_its_last_message_first() -> None:
 def _mismatched(rank: int, world_size: int) -> str:
     import torch.distributed as dist
 
-    from hf_acco.exchange import all_gather_into
+    from hf_acco.comm.exchange import all_gather_into
 
     try:
         all_gather_into(torch.zeros(2 * world_size), torch.zeros(3), dist.group.WORLD)

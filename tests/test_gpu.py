@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer
-from hf_acco.comm import DelayedCommunicator
-from hf_acco.multiprocess import run_ranks
+from hf_acco.comm.communicator import DelayedCommunicator
+from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, decay_groups, mean_loss, tiny_llama
 from .reference import Reference, relative_error, run_acco
@@ -139,9 +139,9 @@ def cuda_placed(
     round buffer's own pieces: NCCL's in-place reduce-scatter, the estimate over its own gradient, rounded into
     bf16) or, ``separate``, held apart."""
     if separate:  # this spawned process only
-        import hf_acco.buffers
+        import hf_acco.engine.buffers
 
-        hf_acco.buffers.shard_grad_room = lambda *args: None
+        hf_acco.engine.buffers.shard_grad_room = lambda *args: None
     model = tiny_llama().cuda().to(torch.bfloat16)
     opt = ACCOOptimizer(
         decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5, comm_dtype=comm_dtype,
@@ -217,7 +217,7 @@ def _cuda_steps(model, opt, start: int, stop: int) -> None:
 
 
 def cuda_fused_resume(rank: int, world_size: int, directory: str) -> dict:
-    from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state
+    from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny_llama().cuda().to(torch.bfloat16)
@@ -302,7 +302,7 @@ def test_cuda_evaluation_at_a_step_boundary_takes_no_pinned_host_memory() -> Non
 def cuda_save_state_memory(rank: int, world_size: int, directory: str) -> dict:
     from accelerate import Accelerator
 
-    from hf_acco.accelerate_hook import prepare_acco
+    from hf_acco import prepare_acco
 
     accelerator = Accelerator(gradient_accumulation_steps=2)
     model, optimizer = prepare_acco(accelerator, tiny_llama().cuda(), lr=1e-3)

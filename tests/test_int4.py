@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_acco import quant
-from hf_acco.multiprocess import run_ranks
+from hf_acco.comm import quant
+from hf_acco.tools.multiprocess import run_ranks
 
 from .reference import relative_error
 from .test_quant import _reference, _rows, _train

@@ -11,7 +11,7 @@ import evaluate
 import pytest
 import torch
 
-from hf_acco.lambada import METRIC_PATH, encode_pair, load_jsonl_texts, score, split_context_target
+from hf_acco.tasks.lambada import METRIC_PATH, encode_pair, load_jsonl_texts, score, split_context_target
 
 from .helpers import ROOT, accelerate_launch
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from hf_acco import ACCOOptimizer
-from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
-from hf_acco.comm import DelayedCommunicator, round_group_options, warn_if_one_hardware_queue
-from hf_acco.multiprocess import run_ranks
+from hf_acco.comm.communicator import DelayedCommunicator, round_group_options, warn_if_one_hardware_queue
+from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
+from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, mean_loss, tiny_llama
 

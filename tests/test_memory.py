@@ -1,4 +1,4 @@
-"""The memory report (hf_acco.memory) against the tensors a built engine really holds, and its CLI."""
+"""The memory report (hf_acco.tools.memory) against the tensors a built engine really holds, and its CLI."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_acco import ACCOOptimizer
-from hf_acco.memory import engine_memory, engine_memory_of
-from hf_acco.multiprocess import run_ranks
-from hf_acco.rounds import own_pieces
+from hf_acco.engine.rounds import own_pieces
+from hf_acco.tools.memory import engine_memory, engine_memory_of
+from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, mean_loss, tiny_llama
 

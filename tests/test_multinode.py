@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_acco.multiprocess import free_port
+from hf_acco.tools.multiprocess import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "trainer_script.py"
 CAN_MOUNT = sys.platform == "linux" and os.geteuid() == 0 and shutil.which("unshare") is not None

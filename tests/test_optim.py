@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from hf_acco.optim import ShardOptimizer, check_elementwise
-from hf_acco.sharding import Segment
+from hf_acco.comm.sharding import Segment
+from hf_acco.engine.optim import ShardOptimizer, check_elementwise
 
 SEGMENTS = [Segment(0, 40, 0), Segment(40, 90, 1), Segment(90, 98, 0)]  # 98..100 is padding
 CASES = [

@@ -1,4 +1,4 @@
-"""Paced steps (hf_acco.pacing): ranks at unequal, jittered speeds claim the micro-batches of each global batch.
+"""Paced steps (hf_acco.pacing.pacer): ranks at unequal, jittered speeds claim the micro-batches of each global batch.
 
 What the design guarantees, whatever the timing: every sample once per epoch, the same steps on every rank, identical
 parameters, and training equal to the single-process reference over the micro-batches each rank actually computed.
@@ -14,10 +14,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_acco import ACCOOptimizer
-from hf_acco.claims import ClaimingBatchSampler, StreamTickets, default_store
-from hf_acco.multiprocess import run_ranks
-from hf_acco.pacing import Pacer
-from hf_acco.schedule import Phase
+from hf_acco.engine.schedule import Phase
+from hf_acco.pacing.claims import ClaimingBatchSampler, StreamTickets, default_store
+from hf_acco.pacing.pacer import Pacer
+from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import clones
 from .models import SEQ, VOCAB, decay_groups, tiny_llama, token_sum_loss

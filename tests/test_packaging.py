@@ -42,9 +42,14 @@ def test_cpu_launch_config_starts_two_ranks() -> None:
 
 def test_the_engine_imports_without_the_hugging_face_stack() -> None:
     code = (
-        "import sys, hf_acco, hf_acco.core, hf_acco.checkpoint, hf_acco.multiprocess\n"
+        "import importlib, pkgutil, sys, hf_acco, hf_acco.tools.multiprocess\n"
+        "for layer in ('comm', 'engine', 'pacing'):\n"
+        "    package = importlib.import_module('hf_acco.' + layer)\n"
+        "    for info in pkgutil.iter_modules(package.__path__, package.__name__ + '.'):\n"
+        "        importlib.import_module(info.name)\n"
         "assert not {'transformers', 'accelerate', 'datasets', 'peft'} & set(sys.modules), sorted(sys.modules)\n"
-        "import hf_acco.accelerate_hook, hf_acco.baselines\n"
+        "from hf_acco import prepare_acco, acco_dataloader\n"
+        "import hf_acco.integrations.baselines\n"
         "assert 'transformers' not in sys.modules, 'a hand-written Accelerate loop loads no transformers'\n"
         "from hf_acco import ACCOConfig, ACCOTrainer\n"
         "assert 'transformers' in sys.modules"
@@ -63,7 +68,7 @@ def test_the_lock_pins_every_dependency_inside_the_tested_ranges() -> None:
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    from hf_acco.versions import TESTED
+    from hf_acco.integrations.versions import TESTED
 
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
@@ -78,7 +83,7 @@ def test_the_lock_pins_every_dependency_inside_the_tested_ranges() -> None:
 
 
 def test_an_untested_transformers_gives_one_warning_naming_the_tested_range(monkeypatch) -> None:
-    from hf_acco import versions
+    from hf_acco.integrations import versions
 
     monkeypatch.setattr(versions, "_warned", set())
     monkeypatch.setattr(versions, "version", lambda package: "5.99.0")

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hf_acco.buffers import BufferPair
-from hf_acco.halves import DynamicHalves, FixedHalves, InFlight
-from hf_acco.optim import ShardOptimizer
-from hf_acco.rounds import RoundBody, RoundResult
-from hf_acco.schedule import STEP_END, Phase, RoundKind, Schedule, first_phase, parse_settings, schedule_at
-from hf_acco.sharding import FlatLayout
-from hf_acco.stats import EngineStats
+from hf_acco.comm.sharding import FlatLayout
+from hf_acco.engine.buffers import BufferPair
+from hf_acco.engine.halves import DynamicHalves, FixedHalves, InFlight
+from hf_acco.engine.optim import ShardOptimizer
+from hf_acco.engine.rounds import RoundBody, RoundResult
+from hf_acco.engine.schedule import STEP_END, Phase, RoundKind, Schedule, first_phase, parse_settings, schedule_at
+from hf_acco.engine.stats import EngineStats
 
 from .helpers import FakeComm
 
@@ -256,7 +256,7 @@ def _build_fails_then_backward(rank: int, world_size: int) -> bool:
 
 
 def test_a_failed_build_leaves_the_models_gradients_alone() -> None:
-    from hf_acco.multiprocess import run_ranks
+    from hf_acco.tools.multiprocess import run_ranks
 
     assert run_ranks(_build_fails_then_backward, world_size=1) == [True]
 
@@ -293,7 +293,7 @@ def test_the_fake_communicator_keeps_the_real_ones_signatures() -> None:
     must show here, not pass unnoticed."""
     import inspect
 
-    from hf_acco.comm import Communicator
+    from hf_acco.comm.communicator import Communicator
 
     def shape(fn) -> list[tuple[str, object, bool]]:
         return [(p.name, p.kind, p.default is p.empty) for p in inspect.signature(fn).parameters.values()]

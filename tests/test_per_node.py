@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_acco.checkpoint import main as checkpoint_cli
-from hf_acco.checkpoint import shard_filename
+from hf_acco.engine.checkpoint import main as checkpoint_cli
+from hf_acco.engine.checkpoint import shard_filename
 
 from .helpers import rel
 from .test_trainer import flat, train
@@ -75,12 +75,12 @@ def test_a_skipped_checkpoint_is_reported_with_the_rank_and_node_that_saw_it(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:
     """On a per-node checkpoint each machine judges its own copy: the warning says which rank and node did."""
-    from hf_acco.trainer import TRAINER_STATE_NAME, complete_checkpoints
+    from hf_acco.integrations.trainer import TRAINER_STATE_NAME, complete_checkpoints
 
     (tmp_path / "checkpoint-4").mkdir()
     (tmp_path / "checkpoint-4" / TRAINER_STATE_NAME).write_text("{}")  # readable, but only rank 0's shard is here
     (tmp_path / "checkpoint-4" / shard_filename(0, 2)).write_bytes(b"")
     monkeypatch.setenv("GROUP_RANK", "1")
-    with caplog.at_level("WARNING", logger="hf_acco.trainer"):
+    with caplog.at_level("WARNING", logger="hf_acco.integrations.trainer"):
         assert complete_checkpoints(str(tmp_path), world_size=2, ranks=[1]) == {}
     assert "checkpoint-4 (on rank 1, node 1, " in caplog.text and "shards of ranks [1] (of 2)" in caplog.text

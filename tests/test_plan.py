@@ -1,4 +1,4 @@
-"""The planner's cost model (hf_acco/plan/) on numbers worked out by hand, its fit, its recommendation and its
+"""The planner's cost model (hf_acco/tools/plan/) on numbers worked out by hand, its fit, its recommendation and its
 command; the scaling benchmark's bookkeeping on synthetic runs (the runs themselves: the slow tier)."""
 
 import json
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from hf_acco import plan
+from hf_acco.tools import plan
 
 C0 = plan.Constants(alpha_s={"round": 0.0, "all_reduce": 0.0}, efficiency={"round": 1.0, "all_reduce": 1.0})
 
@@ -50,7 +50,7 @@ def test_ring_and_two_level_collectives():
 
 
 def test_int8_rounds_by_hand_two_levels_between_nodes_and_the_kernels():
-    from hf_acco import quant
+    from hf_acco.comm import quant
 
     assert plan.INT8_BYTES == quant.packed_numel(quant.BLOCK) / quant.BLOCK
     q = plan.INT8_BYTES
@@ -228,7 +228,7 @@ def synthetic_run(world_size, method, step, k=4, acc="fixed", setting=None, toke
 
 
 def test_the_scaling_benchmark_fits_predicts_and_checks_the_recommendation():
-    from hf_acco.bench import scaling
+    from hf_acco.tools.bench import scaling
 
     # rounds alone made with alpha 5 ms and efficiency 1 (16 MB at 25 MB/s: 0.64 s for 2 x (p-1)/p of it)
     runs = [synthetic_run(p, m, 1.34 if p == 2 else 1.3) for p in (2, 4, 8) for m in ("acco", "sync", "ddp")]
@@ -259,7 +259,7 @@ def test_the_multinode_benchmark_predicts_each_run_from_its_nodes(tmp_path):
     """The multi-node benchmark's bookkeeping: a run of 2 nodes x 2 ranks is predicted as gloo on that cluster
     (all-to-all reduce-scatter: the node's uplink carries 2 x 2/4 of the gradients, the ring all-gather 3/4 of
     the parameters), with the committed constants; the table has every run; ``--from_json`` predicts again."""
-    from hf_acco.bench import multinode
+    from hf_acco.tools.bench import multinode
 
     runs = [
         {**synthetic_run(4, m, 3.0, acc=a, setting="nodes2x2"), "nodes": 2, "ranks_per_node": 2}

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_acco import ACCOOptimizer, quant
-from hf_acco.multiprocess import run_ranks
+from hf_acco import ACCOOptimizer
+from hf_acco.comm import quant
+from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, decay_groups, mean_loss, tiny_llama
 from .reference import Reference, relative_error, run_sync
@@ -61,8 +62,8 @@ def test_int8_is_about_a_quarter_of_fp32s_bytes() -> None:
 
 
 def _reduce_scatter(rank: int, world_size: int) -> dict:
-    from hf_acco.comm import Communicator
-    from hf_acco.sharding import FlatLayout
+    from hf_acco.comm.communicator import Communicator
+    from hf_acco.comm.sharding import FlatLayout
 
     params = [torch.zeros(700), torch.zeros(33, 17), torch.zeros(5)]
     layout = FlatLayout(params, ["a", "b", "c"], [0, 0, 1], world_size, bucket_numel=600)
@@ -94,8 +95,8 @@ def _two_level_reduce_scatter(rank: int, world_size: int, per_node: int) -> dict
     """nodes.py's two levels: each machine's exact sum of a chunk, quantised once, the machines' sums added."""
     import torch.distributed as dist
 
-    from hf_acco.comm import Communicator
-    from hf_acco.sharding import FlatLayout
+    from hf_acco.comm.communicator import Communicator
+    from hf_acco.comm.sharding import FlatLayout
 
     sent: list[int] = []
     all_to_all = dist.all_to_all_single
@@ -139,7 +140,7 @@ def _counting(sent: list[tuple[torch.dtype, int]], gathered: list[tuple[torch.dt
     """Count what this forked rank sends: the all-to-alls (int8 gradients) and the rounds' all-gathers."""
     import torch.distributed as dist
 
-    from hf_acco import comm
+    from hf_acco.comm import communicator as comm
 
     all_to_all, all_gather = dist.all_to_all_single, comm.all_gather_into
 
@@ -163,7 +164,7 @@ def _train(
     gather_dtype: str = "auto",
     per_node: int | None = None,
 ) -> dict:
-    from hf_acco.comm import Communicator
+    from hf_acco.comm.communicator import Communicator
 
     sent: list[tuple[torch.dtype, int]] = []
     gathered: list[tuple[torch.dtype, int]] = []
@@ -316,7 +317,7 @@ def test_int8_on_two_machines_of_two_ranks_trains_close_to_fp32() -> None:
 def _levels_from_the_launcher(rank: int, world_size: int, local_rank: list[int]) -> bool:
     import os
 
-    from hf_acco.comm import Communicator
+    from hf_acco.comm.communicator import Communicator
 
     os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(local_rank[rank]))  # as torchrun sets them per machine
     comm = Communicator()
@@ -334,8 +335,8 @@ def test_the_two_levels_follow_the_launchers_numbering_else_the_all_to_all_stays
 
 def _feedback_rounds(rank: int, world_size: int, feedback: bool, rounds: int) -> dict:
     """The same gradient sums reduce-scattered ``rounds`` times, with or without error feedback."""
-    from hf_acco.comm import Communicator
-    from hf_acco.sharding import FlatLayout
+    from hf_acco.comm.communicator import Communicator
+    from hf_acco.comm.sharding import FlatLayout
 
     params = [torch.zeros(700), torch.zeros(33, 17)]
     layout = FlatLayout(params, ["a", "b"], [0, 0], world_size, bucket_numel=600)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_acco.alpaca import (
+from hf_acco.tasks.alpaca import (
     PROMPT_NO_INPUT,
     PROMPT_WITH_INPUT,
     build_word_tokenizer,

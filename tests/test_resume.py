@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer
-from hf_acco.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
-from hf_acco.multiprocess import run_ranks
+from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
+from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import clones, rel
 from .models import batch, decay_groups, mean_loss, tiny_llama
@@ -268,8 +268,8 @@ def test_checkpoint_files_load_with_weights_only(tmp_path: Path) -> None:
 
 
 def reshard_made(rank: int, world_size: int, directory: str) -> dict:
-    from hf_acco.checkpoint import _read_shards
-    from hf_acco.shard_state import reshard
+    from hf_acco.engine.checkpoint import _read_shards
+    from hf_acco.engine.shard_state import reshard
 
     from .test_boundary import Sizes
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from hf_acco import ACCOOptimizer
-from hf_acco.comm import Communicator
-from hf_acco.multiprocess import run_ranks
+from hf_acco.comm.communicator import Communicator
+from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import clones
 from .models import batch, decay_groups, mean_loss, tiny_llama

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer, Phase
-from hf_acco.comm import DelayedCommunicator
-from hf_acco.halves import round_ends_soon
-from hf_acco.multiprocess import run_ranks
+from hf_acco.comm.communicator import DelayedCommunicator
+from hf_acco.engine.halves import round_ends_soon
+from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import clones
 from .models import batch, decay_groups, mean_loss, tiny_llama, token_sum_loss

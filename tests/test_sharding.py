@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_acco.sharding import CHUNK_ALIGN, FlatLayout
+from hf_acco.comm.sharding import CHUNK_ALIGN, FlatLayout
 
 from .models import tiny_llama
 
@@ -89,7 +89,7 @@ def test_param_pieces_cover_each_parameter_once(world_size: int, bucket_numel: i
 
 def test_automatic_bucket_size() -> None:
     """About 16 buckets, each between 2**16 and 2**22 elements: small models still get several in flight."""
-    from hf_acco.sharding import auto_bucket_numel
+    from hf_acco.comm.sharding import auto_bucket_numel
 
     assert auto_bucket_numel(850_000) == 1 << 16  # 13 buckets
     assert auto_bucket_numel(32_000_000) == 2_000_000  # 16 buckets

@@ -1,4 +1,4 @@
-"""A run's end (hf_acco.distributed.end_training): the DDP wrapper is gone before the process group is destroyed,
+"""A run's end (hf_acco.comm.groups.end_training): the DDP wrapper is gone before the process group is destroyed,
 the order in which no rank can hang at exit (2 forked ranks, a plain Trainer under DDP)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hf_acco.multiprocess import run_ranks
+from hf_acco.tools.multiprocess import run_ranks
 
 from .scripts import trainer_script
 
@@ -17,7 +17,7 @@ def _train_then_end(rank: int, world_size: int, out: str, ordered: bool) -> dict
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from hf_acco.distributed import end_training
+    from hf_acco.comm.groups import end_training
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(

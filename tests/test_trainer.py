@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_acco import ACCOConfig, consolidate_state_dicts
-from hf_acco.multiprocess import run_ranks
+from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import rel
 from .scripts import trainer_script

@@ -7,12 +7,14 @@ import inspect
 
 from transformers import Trainer
 
-from hf_acco.trainer import mixin
+from hf_acco.integrations.trainer import mixin
 
 
 def test_the_private_trainer_methods_the_glue_relies_on_exist():
     missing = [name for name in mixin.TRAINER_PRIVATE_METHODS if not callable(getattr(Trainer, name, None))]
-    assert missing == [], f"transformers' Trainer no longer has {missing}: hf_acco/trainer/ needs updating"
+    assert missing == [], (
+        f"transformers' Trainer no longer has {missing}: hf_acco/integrations/trainer/ needs updating"
+    )
     # every private Trainer method the mixin overrides is in the list (the list is the contract, kept complete)
     overridden = {n for n, v in vars(mixin.ACCOTrainerMixin).items() if n.startswith("_") and not n.startswith("__")}
     own = {"_micro_batch", "_paced_step", "_paced"}  # the mixin's own helpers, not Trainer's
@@ -32,7 +34,7 @@ def test_every_acco_default_is_declared_once_on_its_field():
     import re
     from pathlib import Path
 
-    from hf_acco.config import ACCOConfigMixin, acco_setting
+    from hf_acco.integrations.config import ACCOConfigMixin, acco_setting
 
     package = Path(mixin.__file__).resolve().parents[1]
     fallback = re.compile(r"""["'](acco_\w+)["']\s*,\s*(?:["'][^"']*["']|-?[\d.]+|True|False|None)\s*\)""")
@@ -53,7 +55,7 @@ def test_every_acco_default_is_declared_once_on_its_field():
 
 def test_paced_is_the_accumulation_dynamic_is_its_alias(tmp_path):
     from hf_acco import ACCOConfig
-    from hf_acco.config import engine_accumulation
+    from hf_acco.integrations.config import engine_accumulation
 
     for value in ("paced", "dynamic"):
         args = ACCOConfig(output_dir=str(tmp_path), use_cpu=True, acco_accumulation=value)

@@ -115,7 +115,7 @@ def _counting_evals(rank: int, world_size: int, argv: list[str]) -> dict:
 
 
 def test_save_model_loads_the_committed_parameters_on_the_writing_rank_only(tmp_path: Path) -> None:
-    from hf_acco.multiprocess import run_ranks
+    from hf_acco.tools.multiprocess import run_ranks
 
     argv = ["--output_dir", str(tmp_path), "--acco", "--max_steps", "8", "--save_steps", "4"]
     writer, other = run_ranks(_counting_evals, world_size=2, backend=None, argv=argv, timeout=180)
@@ -145,7 +145,7 @@ def _custom_optimizer(rank: int, world_size: int, out: str) -> dict:
 
 
 def test_the_optimizer_state_dict_has_torchs_keys(tmp_path: Path) -> None:
-    from hf_acco.multiprocess import run_ranks
+    from hf_acco.tools.multiprocess import run_ranks
 
     (got,) = run_ranks(_custom_optimizer, world_size=1, backend=None, out=str(tmp_path), timeout=120)
     assert {"state", "param_groups", "master", "optim_state"} <= set(got["keys"])

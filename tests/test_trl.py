@@ -13,7 +13,7 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.
 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from hf_acco.multiprocess import run_ranks  # noqa: E402
+from hf_acco.tools.multiprocess import run_ranks  # noqa: E402
 
 from .helpers import rel  # noqa: E402
 

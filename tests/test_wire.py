@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer
-from hf_acco.comm import Communicator
-from hf_acco.multiprocess import run_ranks
+from hf_acco.comm.communicator import Communicator
+from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, decay_groups, mean_loss, tiny_llama
 from .reference import Reference, relative_error, run_acco, run_dpu, run_sync
@@ -98,7 +98,7 @@ def test_a_bf16_model_all_gathers_bf16_parameters_even_with_fp32_gradients() -> 
 
 
 def test_an_unknown_wire_dtype_is_refused() -> None:
-    from hf_acco.buffers import parse_comm_dtype
+    from hf_acco.engine.buffers import parse_comm_dtype
 
     assert parse_comm_dtype("bf16") is torch.bfloat16 and parse_comm_dtype(torch.float32) is torch.float32
     with pytest.raises(ValueError, match="comm_dtype must be 'auto', 'fp32' or 'bf16', got 'fp8'"):
@@ -108,7 +108,7 @@ def test_an_unknown_wire_dtype_is_refused() -> None:
 def test_the_default_wire_is_the_models_dtype() -> None:
     """As DDP all-reduces a bf16 model's gradients in bf16 (and DeepSpeed's communication_data_type defaults to
     the model's dtype): a bf16 model gets bf16 on the wire, an fp32 or a mixed one fp32."""
-    from hf_acco.buffers import parse_comm_dtype
+    from hf_acco.engine.buffers import parse_comm_dtype
 
     bf16, fp32 = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
     assert parse_comm_dtype("auto", params=[bf16, bf16]) is torch.bfloat16
@@ -126,9 +126,9 @@ def _train_placed(
 ) -> dict:
     """``train``'s run, with the shard gradient in the round's buffer (as built) or, ``separate``, held apart."""
     if separate:  # this process only (a forked rank): every round gets a shard gradient of the optimizer's own
-        import hf_acco.buffers
+        import hf_acco.engine.buffers
 
-        hf_acco.buffers.shard_grad_room = lambda *args: None
+        hf_acco.engine.buffers.shard_grad_room = lambda *args: None
     model = tiny_llama().to(model_dtype)
     opt = ACCOOptimizer(
         decay_groups(model, 0.1), schedule=schedule, micro_batches=MICRO, max_grad_norm=CLIP, comm_dtype=comm_dtype,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hf_acco import ACCOOptimizer
-from hf_acco.comm import Communicator
+from hf_acco.comm.communicator import Communicator
 
 
 def main() -> None:

@@ -1,0 +1,433 @@
+"""Every torch.distributed call of hf_acco: the collectives of one round (the thread and stream a round runs on:
+``runner.py``).
+
+A round uses its **own** process group: the main thread may run collectives on the default group at the same
+time (Trainer gathers metrics, users call barriers), and two threads issuing collectives on one group can
+deadlock (seen in 3 of 3 runs on gloo). ``Communicator`` is created collectively: every rank must construct it
+at the same point, in the same order as its other groups.
+
+Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
+
+* ``nccl``: native ``reduce_scatter_single``.
+* ``gloo``: ``all_to_all_single`` of each bucket and a local sum. gloo's reduce-scatter is an all-reduce
+  underneath, so the native call plus the all-gather moves ~1.5x the bytes of one all-reduce; the all-to-all
+  spelling moves (N-1)/N of the buffer, and with the all-gather a round moves what one all-reduce moves. The
+  round's all-gather is gloo's own (``exchange.py`` says why; only the packed parameter changes go point to point).
+
+With ``quantized_gradients`` (int8 on the wire, ``quant.py``) every backend uses the all-to-all: each rank's chunks
+are quantised blockwise before they leave, and the owner sums the chunks it receives in fp32; on several machines
+of several ranks each, in two levels (exact inside a machine, int8 between machines: ``nodes.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_acco.comm import quant
+from hf_acco.comm.exchange import all_gather_into
+from hf_acco.comm.nodes import NodeGroups, destroy_groups, gloo_failure, machines, node, node_groups
+from hf_acco.comm.sharding import FlatLayout
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+REDUCE_SCATTER_SPELLINGS = ("auto", "native", "all_to_all")
+
+
+class PeerFailure(RuntimeError):
+    """A collective of an ACCO round failed: a peer rank died, or stopped answering until the timeout."""
+
+
+# what gloo and NCCL say when a peer process is gone or hung (DistError subclasses are matched by type)
+PEER_ERRORS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",  # a write to a peer that has gone (gloo's writev)
+    "Socket Timeout",
+    "Timed out waiting",
+    "remote process exited",
+    "Watchdog caught collective operation timeout",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` says that another rank died or stopped answering (not this rank's own failure, such as
+    an out-of-memory error or a CUDA error, which must surface as itself)."""
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return False  # this rank's own, also when NCCL reports it (e.g. setting up the round's communicator)
+    return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
+
+
+def round_group_options(backend: str, timeout: datetime.timedelta | None = None) -> Any:
+    """Options of the round's own process group: on NCCL its stream gets high priority, so that the round's
+    collectives are scheduled ahead of the compute kernels queued beside them (the round is what hides behind
+    compute; a collective held back by a queue of compute kernels holds up every rank)."""
+    if backend != "nccl" or not dist.is_nccl_available():
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    if timeout is not None:  # else torch warns that the options' own (10 min) and the group's timeouts differ
+        options._timeout = timeout
+    return options
+
+
+def warn_if_one_hardware_queue(device: torch.device) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's setting) puts every stream's work in one hardware queue: the
+    round's collectives then run in launch order with Trainer's own, and two ranks that launched them in a
+    different order wait on each other for ever."""
+    if device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        warnings.warn(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1: all CUDA streams share one hardware queue, so ACCO's background round "
+            "cannot overlap compute, and its collectives can deadlock with the main thread's across ranks. Unset it "
+            "(or set it to 8 or more) for ACCO runs.",
+            stacklevel=3,
+        )
+
+
+def check_world_size(expected: int, group: dist.ProcessGroup | None = None) -> None:
+    """Fail with launch instructions if torch.distributed and the launcher disagree on the world size."""
+    actual = dist.get_world_size(group) if dist.is_initialized() else 1
+    launched = int(os.environ.get("WORLD_SIZE", actual))  # what torchrun / accelerate launch started
+    if actual != expected or launched != expected:
+        raise RuntimeError(
+            f"torch.distributed has {actual} ranks and the launcher started {launched} (WORLD_SIZE), but Accelerate "
+            f"reports {expected} processes. "
+            "On CPU, start 2 gloo ranks with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
+            "accelerate_configs/cpu_2proc.yaml ...` (distributed_type MULTI_GPU, num_processes 2) or "
+            "`torchrun --nproc_per_node 2 ...` with `Accelerator(cpu=True)`; MULTI_CPU silently starts one "
+            "process without mpirun."
+        )
+
+
+class Communicator:
+    """The collectives of one ACCO round, on a dedicated process group.
+
+    Args:
+        group: the ranks to train over (``None``: the whole world). A new group over the same ranks is created.
+        reduce_scatter: ``"auto"`` (per backend, see the module docstring), ``"native"`` or ``"all_to_all"``.
+        max_inflight: buckets in flight at once (bounds the all-to-all receive buffers).
+        timeout: collective timeout of the round's group; a dead peer raises instead of hanging forever.
+        collectives_at_world_size_1: run the real reduce-scatter and all-gather even with one rank (the GPU tier
+            exercises NCCL's path on one GPU this way); by default one rank copies locally.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        reduce_scatter: str = "auto",
+        max_inflight: int = 4,
+        timeout: datetime.timedelta | None = None,
+        collectives_at_world_size_1: bool = False,
+        ranks_per_node: int | None = None,
+    ) -> None:
+        if reduce_scatter not in REDUCE_SCATTER_SPELLINGS:
+            raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER_SPELLINGS}, got {reduce_scatter!r}")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised. Launch with `accelerate launch` or `torchrun`, or call "
+                "`torch.distributed.init_process_group` before building the ACCO optimizer."
+            )
+        self._ranks = dist.get_process_group_ranks(group) if group is not None else None
+        self.timeout = timeout
+        self.quantized_gradients = False  # int8 gradients on the wire (use_int8_gradients)
+        self.ranks_per_node = ranks_per_node  # None: the launcher's LOCAL_WORLD_SIZE (nodes.py)
+        self.two_level: NodeGroups | None = None  # int8 gradients on several machines of several ranks
+        self._make_groups(dist.get_backend(group))
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.local_copies = self.world_size == 1 and not collectives_at_world_size_1
+        if reduce_scatter == "auto":
+            reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
+        self.reduce_scatter_spelling = reduce_scatter
+        self.max_inflight = max(1, max_inflight)
+        self.in_round = False  # a round of this communicator is running (on the background thread)
+
+    def int8_rows(self) -> int:
+        """Rows of each bucket this rank quantises: one per rank (a flat all-to-all), or per machine (two levels)."""
+        return self.world_size if self.two_level is None else self.two_level.nodes
+
+    def _make_groups(self, backend: str) -> None:
+        """The round's group (and a gloo host group for the counts when the round's is not gloo). Collective: every
+        rank, in the same order as its other groups."""
+        ranks, timeout = self._ranks, self.timeout
+        try:
+            options = round_group_options(backend, timeout)
+            self.group = dist.new_group(ranks=ranks, timeout=timeout, pg_options=options)
+        except (RuntimeError, dist.DistError) as e:
+            if backend != "gloo":
+                raise
+            raise RuntimeError(gloo_failure(e)) from e
+        self.backend = dist.get_backend(self.group)
+        # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
+        # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
+        self.host_group = self.group
+        if self.backend != "gloo":
+            try:
+                self.host_group = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
+            except (RuntimeError, dist.DistError) as e:
+                raise RuntimeError(gloo_failure(e)) from e
+        atexit.register(self._destroy_at_exit)
+        self.destroyed = False
+
+    def destroy(self) -> None:
+        """Release the groups (NCCL communicators, gloo sockets): an engine that is closed holds none, so retries
+        and repeated trainers do not pile them up. ``reopen`` makes new ones."""
+        if self.destroyed:
+            return
+        atexit.unregister(self._destroy_at_exit)
+        self._destroy_at_exit()
+        self.destroyed = True
+
+    def reopen(self) -> None:
+        """New groups after ``destroy`` (collective, like the constructor)."""
+        if self.destroyed:
+            self._make_groups(self.backend)
+            if self.quantized_gradients:
+                self._make_node_groups()
+
+    def use_int8_gradients(self) -> None:
+        """int8 gradients on the wire (``quant.py``), in two levels on several machines of several ranks each
+        (``nodes.py``). Collective: every rank at the same point (the engine's construction)."""
+        self.quantized_gradients = True
+        self._make_node_groups()
+
+    def _make_node_groups(self) -> None:
+        nodes, per_node = machines(self.world_size, self.ranks_per_node)
+        if nodes == 1 or per_node == 1 or self.local_copies or self.two_level is not None:
+            return
+        if self.ranks_per_node is None:  # the launcher's numbering, machine by machine, on every rank; else flat
+            local = int(os.environ.get("LOCAL_RANK", self.rank % per_node))
+            off = torch.tensor([float(local != self.rank % per_node)])
+            dist.all_reduce(off, group=self.host_group)
+            if off.item():
+                return
+        ranks = self._ranks if self._ranks is not None else list(range(dist.get_world_size()))
+        options = round_group_options(self.backend, self.timeout)
+        self.two_level = node_groups(ranks, self.rank, nodes, per_node, self.timeout, options)
+
+    def _destroy_at_exit(self) -> None:
+        """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at
+        exit can abort the process ("terminate called without an active exception") while a peer still works.
+        Not while a round runs (a process failing with its round stuck on a peer): destroying a group under a
+        collective in flight can hang or crash; the process exits with the group as it is."""
+        if self.in_round:
+            return
+        try:
+            if self.two_level is not None:
+                self.two_level.destroy()
+                self.two_level = None
+            destroy_groups(self.host_group, self.group)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Turn a collective that failed because of a peer into a PeerFailure that says which ranks and what to do.
+
+        This rank's own errors (out of memory, a CUDA error, a bad input) surface as themselves, with a note of
+        the round they happened in."""
+        self.in_round = True
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, PeerFailure):
+                raise
+            if not is_peer_failure(e):
+                if hasattr(e, "add_note"):
+                    e.add_note(f"(in ACCO's {what}, on rank {self.rank} of {self.world_size}, {node()})")
+                raise
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            limit = f"{self.timeout.total_seconds():.0f} s" if self.timeout else "the process group's timeout"
+            raise PeerFailure(
+                f"ACCO {what} failed on rank {self.rank} of {self.world_size} ({node()}): peer rank(s) {peers} died "
+                "or did not "
+                f"answer within {limit} ({type(e).__name__}: {e}). Nothing was written by this round; restart the "
+                "job and resume from the last complete checkpoint."
+            ) from e
+        finally:
+            self.in_round = False
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
+    ) -> dist.Work | None:
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_reduce_counts(self, counts: Sequence[float]) -> list[float]:
+        """The sums over ranks of a few numbers, on the host group (no device memory, no device sync)."""
+        tensor = torch.tensor(counts, dtype=torch.float64)
+        dist.all_reduce(tensor, group=self.host_group)
+        return tensor.tolist()
+
+    def check_same_everywhere(self, values: list[float], device: torch.device, message: str) -> None:
+        """Collective: raise ``RuntimeError(message)`` on every rank unless every rank passed the same ``values``."""
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        lowest, highest = -mine, mine.clone()
+        self.all_reduce(lowest, op=dist.ReduceOp.MAX)
+        self.all_reduce(highest, op=dist.ReduceOp.MAX)
+        if not torch.equal(-lowest, highest):
+            raise RuntimeError(message)
+
+    def raise_if_any_failed(self, error: Exception | None, device: torch.device, elsewhere: str) -> None:
+        """Collective: raise ``error`` here, and ``RuntimeError(elsewhere)`` on every other rank, if any rank has
+        one (so that no rank goes on into a collective the failed one never reaches)."""
+        failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+        self.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError(elsewhere)
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank), group=self.group)
+
+    def reduce_scatter(
+        self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, feedback: quant.ErrorFeedback | None = None
+    ) -> None:
+        """``shard`` <- this rank's shard of the sum over ranks of ``flat`` (``flat`` may be overwritten).
+
+        ``shard`` is contiguous or ``(num_buckets, chunk)``, possibly rows of ``flat``'s own memory (this rank's own
+        pieces, NCCL's in-place rule, or the bytes beside them: bucket b's row is written only once bucket b has
+        been reduced). ``flat`` may be narrower than ``shard`` (bf16 on the wire, fp32 shard): the all-to-all
+        spelling sums the received pieces in ``shard``'s dtype; the native one sums in ``flat``'s (as NCCL does)
+        and casts. ``feedback``: int8 gradients' error feedback (commit rounds)."""
+        rows = shard.view(layout.num_buckets, layout.chunk) if shard.dim() == 1 else shard
+        if self.local_copies:
+            own = flat.view(layout.num_buckets, 1, layout.chunk)[:, 0]
+            if own.data_ptr() != rows.data_ptr() or own.dtype != rows.dtype:
+                rows.copy_(own)
+            return
+        if self.quantized_gradients:
+            self._int8_reduce_scatter(layout, flat, rows, feedback)
+            return
+        if self.reduce_scatter_spelling == "native":
+            self._native_reduce_scatter(layout, flat, rows)
+            return
+        # all-to-all: rank j sends its chunk r of each bucket to rank r; r sums the world_size chunks it receives.
+        pending: list[tuple[int, torch.Tensor, dist.Work]] = []
+        for b in range(layout.num_buckets):
+            if len(pending) >= self.max_inflight:
+                self._sum_received(layout, rows, *pending.pop(0))
+            recv = torch.empty_like(layout.bucket(flat, b))
+            work = dist.all_to_all_single(recv, layout.bucket(flat, b), group=self.group, async_op=True)
+            pending.append((b, recv, work))
+        for item in pending:
+            self._sum_received(layout, rows, *item)
+
+    def _native_reduce_scatter(self, layout: FlatLayout, flat: torch.Tensor, rows: torch.Tensor) -> None:
+        if flat.dtype == rows.dtype:
+            outs = list(rows)
+        elif self.backend == "nccl":  # in place into this rank's piece of each bucket (NCCL's in-place rule)
+            outs = [layout.piece(flat, b, self.rank) for b in range(layout.num_buckets)]
+        else:
+            outs = [torch.empty(layout.chunk, dtype=flat.dtype, device=flat.device) for _ in range(layout.num_buckets)]
+        works = [
+            _reduce_scatter(out, layout.bucket(flat, b), group=self.group, async_op=True) for b, out in enumerate(outs)
+        ]
+        for w in works:
+            w.wait()
+        if flat.dtype != rows.dtype:  # after every bucket is reduced; no row overlaps this rank's pieces
+            for row, out in zip(rows, outs):
+                row.copy_(out)
+
+    def _int8_reduce_scatter(
+        self, layout: FlatLayout, flat: torch.Tensor, rows: torch.Tensor, feedback: quant.ErrorFeedback | None
+    ) -> None:
+        """The all-to-all spelling with each chunk quantised blockwise to int8 before it leaves (quant.py, about a
+        quarter of fp32's bytes): the owner dequantises the chunks it receives (one per rank, or per machine in
+        two levels: nodes.py) and sums them in fp32, in rank order. Bucket b is read before its row of ``rows`` is
+        written, as in the fp32 spelling."""
+        pending: list[tuple[int, torch.Tensor, dist.Work, torch.Tensor]] = []
+        for b in range(layout.num_buckets):
+            if len(pending) >= self.max_inflight:
+                self._sum_unpacked(layout, rows, *pending.pop(0))
+            if self.two_level is None:
+                sums, group = layout.bucket(flat, b).view(layout.world_size, layout.chunk), self.group
+            else:
+                sums, group = self._machine_sum(layout, flat, b), self.two_level.rail
+            send = quant.pack(sums) if feedback is None else feedback.pack(b, sums)
+            recv = torch.empty_like(send)
+            work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+            pending.append((b, recv, work, send))  # ``send`` outlives the collective that reads it
+        for item in pending:
+            self._sum_unpacked(layout, rows, *item)
+
+    def _machine_sum(self, layout: FlatLayout, flat: torch.Tensor, b: int) -> torch.Tensor:
+        """nodes.py's first level: this machine's sum of bucket b's chunks whose owners have this rank's local
+        rank, (machines, chunk) in ``flat``'s dtype (a reduce-scatter of the bucket regrouped by local rank)."""
+        levels = self.two_level
+        assert levels is not None
+        by_local = layout.bucket(flat, b).view(levels.nodes, levels.per_node, layout.chunk).transpose(0, 1)
+        summed = torch.empty(levels.nodes, layout.chunk, dtype=flat.dtype, device=flat.device)
+        _reduce_scatter(summed.view(-1), by_local.contiguous().view(-1), group=levels.node)
+        return summed
+
+    @staticmethod
+    def _sum_unpacked(
+        layout: FlatLayout, rows: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work, _send: torch.Tensor
+    ) -> None:
+        work.wait()
+        quant.unpack_sum(recv, layout.chunk, rows[b])
+
+    @staticmethod
+    def _sum_received(layout: FlatLayout, rows: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work) -> None:
+        work.wait()
+        pieces = recv.view(layout.world_size, layout.chunk)
+        if recv.dtype == rows.dtype:
+            torch.sum(pieces, dim=0, out=rows[b])
+        else:  # bf16 on the wire, summed in fp32
+            torch.sum(pieces, dim=0, dtype=rows.dtype, out=rows[b])
+
+    def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
+        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the packed
+        int8 or int4 changes of ``deltas.DeltaGather``)."""
+        return all_gather_into(recv.view(-1), send, self.group)
+
+    def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
+        """``flat`` <- every rank's shard. With ``shard=None`` each rank's pieces are already in ``flat``."""
+        works = []
+        for b in range(layout.num_buckets):
+            own = layout.piece(flat, b, self.rank) if shard is None else layout.shard_piece(shard, b)
+            if self.local_copies:
+                layout.piece(flat, b, 0).copy_(own)
+                continue
+            works.append(all_gather_into(layout.bucket(flat, b), own, self.group, point_to_point=False))
+        for w in reversed(works):  # the last bucket first: fewer blocking waits
+            w.wait()
+
+
+class DelayedCommunicator(Communicator):
+    """A ``Communicator`` whose rounds each take ``delay_s`` longer (sleeps in the background thread, half
+    before the reduce-scatter and half before the all-gather, as a slow link slows both).
+
+    Emulates a slow link without using CPU, for overlap experiments and tests: in a fixed-mode ACCO step the
+    delay hides behind compute up to the length of a half.
+    """
+
+    def __init__(self, delay_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.delay_s = delay_s
+
+    def reduce_scatter(
+        self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, feedback: quant.ErrorFeedback | None = None
+    ) -> None:
+        time.sleep(self.delay_s / 2)
+        super().reduce_scatter(layout, flat, shard, feedback)
+
+    def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
+        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the packed
+        int8 or int4 changes of ``deltas.DeltaGather``). Not delayed: a round whose changes travel packed takes
+        only the reduce-scatter's half of ``delay_s``."""
+        return all_gather_into(recv.view(-1), send, self.group)
+
+    def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
+        time.sleep(self.delay_s / 2)
+        super().all_gather(layout, shard, flat)

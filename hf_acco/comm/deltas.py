@@ -1,0 +1,126 @@
+"""int8 or int4 parameter updates in the all-gather (``gather_dtype="int8"`` or ``"int4"``), as ZeRO++'s quantised
+weights (qwZ) move fewer bytes, but without their drift: what travels is the change since what every rank already
+holds.
+
+What every rank holds is the model's own parameters: identical on every rank (each applied the same bytes), and
+unchanged while a round runs (the main thread loads the model only after waiting for the round: ``inflight.py``).
+For each bucket the owner of a piece sends ``new - base`` (its new parameters in the model's dtype, minus the
+model's), quantised blockwise (``quant.py``: 1 + 4/256 bytes an element in int8, 0.5 + 4/256 in int4); every rank,
+the owner too, writes ``base + dequantised`` into the round's output with the same arithmetic, so all ranks hold
+the same bits. The
+next round's change starts from what the ranks hold, so each round's rounding is carried into the next one
+instead of adding up: the model stays within one round's rounding of the owner's exact result (the master and
+the optimizer state stay fp32 and exact on the owner). In int4 a block's step is its largest change / 7: for Adam a
+change is about the learning rate per element, so the model is off the master by at most about lr / 14 (half a
+step), not by a fraction of the weights.
+
+A resume recomputes a pending commit round's output the same way, from the same base (the boundary's model, which
+the checkpoint holds exactly): it is exact.
+
+Ordering on a GPU (the round on its own stream, ``runner.py``): the round reads the model on its stream after the
+launch's ``ready`` event, which the main stream records after the boundary loaded the model; the main stream
+writes the model again only after waiting for the round's ``done`` event (the next boundary's load, evaluation, a
+resume). So every read of the base sees the model every rank loaded, and no load overlaps it; the main stream's
+forward and backward only read the model meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_acco.comm import quant
+from hf_acco.comm.communicator import Communicator
+from hf_acco.comm.sharding import FlatLayout
+
+GATHER_DTYPES = ("auto", "int8", "int4")  # the parameters in the all-gather: the model's dtype, or changes
+CHANGE_BITS = {"auto": 0, "int8": 8, "int4": 4}  # gather_dtype -> the bits of a change's value (0: exact)
+CHANGE_DTYPES = {bits: name for name, bits in CHANGE_BITS.items() if bits}  # 8 -> "int8", 4 -> "int4"
+
+
+def check_gather_dtype(value: str) -> int:
+    """The bits ``value`` (the engine's ``gather_dtype``) sends a change in (0: the parameters, exact); anything
+    unknown is refused."""
+    if value not in GATHER_DTYPES:
+        raise ValueError(f"gather_dtype must be one of {', '.join(GATHER_DTYPES)}, got {value!r}")
+    return CHANGE_BITS[value]
+
+
+def quantized_settings(comm_dtype: object, gather_dtype: str, error_feedback: bool) -> int:
+    """The bits the parameters' changes travel in (``gather_dtype``; 0: exact); refuses an unknown one, and error
+    feedback without int8 gradients (before any collective: a bad setting fails alone, not in a hang)."""
+    if error_feedback and comm_dtype != "int8":
+        raise ValueError(
+            "error_feedback carries the rounding of int8 gradients: set comm_dtype='int8' with it, or leave it off "
+            f"(comm_dtype is {comm_dtype!r})."
+        )
+    return check_gather_dtype(gather_dtype)
+
+
+class ModelPieces:
+    """The model's parameters piece by piece of the flat layout: (bucket b, rank r) -> runs of one parameter each.
+
+    Views are taken when read (``p.detach()``), so a parameter whose data was replaced is read where it is now."""
+
+    def __init__(self, layout: FlatLayout, params: Sequence[torch.Tensor]) -> None:
+        self.layout, self.params = layout, list(params)
+        for p, name in zip(self.params, layout.names):
+            if not p.is_contiguous():
+                raise ValueError(f"a quantised gather_dtype reads parameters in place; {name} is not contiguous")
+        self._runs: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+
+    def runs(self, b: int, r: int) -> list[tuple[int, int, int, int]]:
+        """(parameter, its first element, element count, offset in the piece) of each parameter in piece (b, r)."""
+        if (b, r) not in self._runs:
+            layout, out = self.layout, []
+            lo = b * layout.bucket_size + r * layout.chunk
+            for i, (off, n) in enumerate(zip(layout.offsets, layout.numels)):
+                start, end = max(lo, off), min(lo + layout.chunk, off + n)
+                if start < end:
+                    out.append((i, start - off, end - start, start - lo))
+            self._runs[(b, r)] = out
+        return self._runs[(b, r)]
+
+    def add_to(self, out: torch.Tensor, b: int, r: int, alpha: float = 1.0) -> None:
+        """``out`` ((chunk,) float32) += ``alpha`` x the model's elements of piece (b, r) (padding adds nothing)."""
+        runs = self.runs(b, r)
+        if runs:
+            targets = [out[o : o + n] for _, _, n, o in runs]
+            sources = [self.params[i].detach().view(-1)[s : s + n] for i, s, n, _ in runs]
+            torch._foreach_add_(targets, sources, alpha=alpha)
+
+
+class DeltaGather:
+    """The all-gather of a round's output with quantised changes in ``bits`` (8 or 4; the module's docstring).
+
+    Called with the round's output buffer in the model's dtype, this rank's pieces holding its new parameters;
+    returns with every piece holding ``base + dequantised change``, the same bits on every rank."""
+
+    def __init__(self, layout: FlatLayout, comm: Communicator, params: Sequence[torch.Tensor], bits: int) -> None:
+        self.layout, self.comm, self.bits = layout, comm, bits
+        self.model = ModelPieces(layout, params)
+
+    def __call__(self, flat: torch.Tensor) -> None:
+        layout, comm = self.layout, self.comm
+        pending: list[tuple[int, torch.Tensor, dist.Work, torch.Tensor]] = []
+        for b in range(layout.num_buckets):
+            if len(pending) >= comm.max_inflight:
+                self._apply(flat, *pending.pop(0))
+            change = layout.piece(flat, b, comm.rank).to(torch.float32, copy=True)  # this rank's new parameters
+            self.model.add_to(change, b, comm.rank, alpha=-1.0)  # minus what every rank holds
+            send = quant.pack(change.view(1, -1), bits=self.bits)[0]
+            recv = torch.empty(comm.world_size, send.numel(), dtype=torch.int8, device=flat.device)
+            work = comm.all_gather_packed(recv, send)
+            pending.append((b, recv, work, send))  # ``send`` outlives the collective that reads it
+        for item in pending:
+            self._apply(flat, *item)
+
+    def _apply(self, flat: torch.Tensor, b: int, recv: torch.Tensor, work: dist.Work, _send: torch.Tensor) -> None:
+        """Piece (b, r) of ``flat`` <- the model's piece (b, r) + rank r's dequantised change, for every rank r."""
+        work.wait()
+        for r in range(recv.shape[0]):
+            out = quant.unpack(recv[r : r + 1], self.layout.chunk, self.bits)[0]  # a new float32 row
+            self.model.add_to(out, b, r)
+            self.layout.piece(flat, b, r).copy_(out)

@@ -1,0 +1,210 @@
+"""Per-rank optimizer shard files: written atomically, loaded with ``weights_only=True``, re-sharded on load.
+
+One file per rank, ``acco_optimizer_rank{r}_of_{n}.pt``, holding that rank's ``ACCOOptimizer.state_dict()``
+(master shard, optimizer state shard, the model's in-flight estimate shard, counters and the layout). A file is
+written under a temporary name, flushed to disk and renamed, so a crash mid-write never leaves a truncated file
+under the real name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_acco.engine.core import ACCOOptimizer
+from hf_acco.engine.shard_state import reshard
+
+_SHARD_RE = re.compile(r"^acco_optimizer_rank(\d+)_of_(\d+)\.pt$")
+
+
+def shard_filename(rank: int, world_size: int) -> str:
+    return f"acco_optimizer_rank{rank}_of_{world_size}.pt"
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to ``path`` so that ``path`` holds either the old or the complete new file."""
+    _atomic_write(Path(path), lambda f: torch.save(obj, f))
+
+
+def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Copy ``source`` to ``target`` so that ``target`` holds either the old or the complete new file."""
+    with open(source, "rb") as src:
+        _atomic_write(Path(target), lambda f: shutil.copyfileobj(src, f))
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    """``write(file)`` into a temporary name beside ``path``, flushed to disk, then renamed over ``path``; the
+    directory entry is flushed too. A crash mid-write never leaves a truncated file under the real name."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> Path:
+    """Write this rank's shard into ``directory`` (every rank calls it). Returns the file written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / shard_filename(optimizer.comm.rank, optimizer.comm.world_size)
+    atomic_save(optimizer.state_dict(), path)
+    return path
+
+
+def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> None:
+    """Load the shards in ``directory`` into ``optimizer`` (collective), re-sharding if the layout changed (another
+    world size, or a checkpoint of an older chunk size): each rank then reads only its own ranges of the files."""
+    layout, rank = optimizer.layout, optimizer.comm.rank
+    try:
+        states = _read_shards(Path(directory), rank, layout.world_size, layout.chunk)
+        meta = states[0]["layout"]
+        same = meta["world_size"] == layout.world_size and meta["chunk"] == layout.chunk
+        state = states[0] if same else reshard(states, layout, rank)
+    except (ValueError, FileNotFoundError) as e:
+        optimizer.raise_if_any_rank_failed(e)  # every rank raises, none waits in a collective
+        raise
+    optimizer.load_state_dict(state)
+
+
+def shard_files(directory: str | os.PathLike) -> dict[int, dict[int, Path]]:
+    """The optimizer shard files in ``directory``: {world size: {rank: path}}."""
+    directory = Path(directory)
+    found: dict[int, dict[int, Path]] = {}
+    for f in directory.glob("acco_optimizer_rank*_of_*.pt") if directory.is_dir() else []:
+        m = _SHARD_RE.match(f.name)
+        if m:
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
+    return found
+
+
+def missing_shards(
+    directory: str | os.PathLike, world_size: int | None = None, ranks: list[int] | None = None
+) -> str | None:
+    """Why the shard set in ``directory`` is incomplete for ``ranks`` of a run on ``world_size`` ranks (every rank's
+    shard when they are not given, or when the checkpoint has another world size: re-sharding reads them all), or
+    None. A per-node checkpoint (``save_on_each_node``, no shared file system) holds only its node's ranks."""
+    found = shard_files(directory)
+    if not found:
+        return "the ACCO optimizer shards acco_optimizer_rank*_of_*.pt (written by plain Trainer, or save_only_model?)"
+    if len(found) > 1:
+        return f"a single set of optimizer shards (it has several world sizes {sorted(found)})"
+    ((world, files),) = found.items()
+    needed = set(range(world)) if ranks is None or world != world_size else set(ranks)
+    missing = sorted(needed - set(files))
+    if missing and world_size is not None and world != world_size:
+        return (
+            f"the optimizer shards of ranks {missing} (of {world}), which a resume on {world_size} ranks needs: a "
+            "per-node checkpoint (save_on_each_node=True)? Gather every node's shards into one directory first "
+            "(python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...), or resume on the same number of ranks"
+        )
+    return f"the optimizer shards of ranks {missing} (of {world})" if missing else None
+
+
+def gather_shards(sources: list[str | os.PathLike], into: str | os.PathLike) -> list[Path]:
+    """Copy the optimizer shards of per-node checkpoints (``save_on_each_node``) into one directory, which then
+    resumes on any number of ranks. Refuses sources of several world sizes, or a set that still lacks a rank."""
+    into = Path(into)
+    found: dict[int, dict[int, Path]] = {}
+    for source in [into, *sources]:  # what ``into`` holds already (one node's own) counts; the sources add theirs
+        for world, files in shard_files(source).items():
+            found.setdefault(world, {}).update(files)
+    if len(found) != 1:
+        raise ValueError(
+            f"Need the shards of one run: found world sizes {sorted(found)} in {[str(s) for s in sources]}."
+        )
+    ((world, files),) = found.items()
+    missing = sorted(set(range(world)) - set(files))
+    if missing:
+        raise FileNotFoundError(f"The sources lack the optimizer shards of ranks {missing} (of {world}).")
+    into.mkdir(parents=True, exist_ok=True)
+    out = []
+    for _, path in sorted(files.items()):
+        target = into / path.name
+        if path.resolve() != target.resolve():
+            atomic_copy(path, target)
+        out.append(target)
+    return out
+
+
+def _read_shards(directory: Path, rank: int, world_size: int, chunk: int) -> list[dict[str, Any]]:
+    """This rank's shard (same layout) or every shard (re-sharding), memory-mapped: only what is used is read."""
+    found = shard_files(directory)
+    if not found:
+        raise FileNotFoundError(
+            f"No ACCO optimizer shards (acco_optimizer_rank*_of_*.pt) in {directory}. Was the checkpoint written "
+            "by an ACCO run? Resume from another checkpoint, or start without resuming."
+        )
+    if len(found) > 1:
+        raise ValueError(f"{directory} holds optimizer shards of several world sizes {sorted(found)}; keep one set.")
+    ((saved_world, files),) = found.items()
+    if saved_world == world_size and rank in files:  # the same ranks: this rank's own file (all if the chunk changed)
+        own = _read(files[rank])
+        if own["layout"]["chunk"] == chunk:
+            return [own]
+    missing = sorted(set(range(saved_world)) - set(files))
+    if missing and saved_world != world_size and files:
+        raise FileNotFoundError(
+            f"Resuming on {world_size} ranks from a checkpoint of {saved_world} needs every rank's optimizer shard; "
+            f"{directory} lacks ranks {missing} (a per-node checkpoint, save_on_each_node=True?). Copy every node's "
+            f"shards into one directory (python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...) and resume "
+            "from it, or resume on the same number of ranks."
+        )
+    if missing:
+        raise FileNotFoundError(
+            f"The checkpoint {directory} lacks the optimizer shards of ranks {missing} (of {saved_world}): it is "
+            "incomplete. Resume from an earlier checkpoint."
+        )
+    return [_read(files[r]) for r in range(saved_world)]
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - turned into an actionable message
+        raise ValueError(
+            f"Could not read the ACCO optimizer shard {path} ({type(e).__name__}: {e}). The file is damaged; "
+            "resume from an earlier checkpoint."
+        ) from e
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hf_acco.checkpoint",
+        description="ACCO optimizer shards. gather: copy the shards of per-node checkpoints (save_on_each_node=True, "
+        "one directory per machine) into one, so that it resumes on any number of ranks.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("gather", help="copy every node's optimizer shards into one directory")
+    g.add_argument("--into", required=True, help="the directory to resume from (e.g. one node's checkpoint-N)")
+    g.add_argument("sources", nargs="+", help="the nodes' checkpoint-N directories (copied here first)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = make_parser()
+    args = p.parse_args(argv)
+    try:
+        written = gather_shards(args.sources, args.into)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
+    print(f"{len(written)} optimizer shards in {args.into}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""The sharded optimizer: fp32 master shard + state for the owned shard only (ZeRO-1), pure torch.
+
+An element-wise torch optimizer (AdamW by default) runs on *segments*: views of the master shard, one per run of
+elements of the same parameter group, so per-group settings (weight decay for weights but not for biases and
+norm weights) apply per element. Two kinds of update:
+
+* ``commit``: the optimizer step, kept (master and state advance);
+* ``estimate``: the same update computed as a look-ahead, written to an output buffer, leaving master and state
+  bit-identical. For Adam/AdamW it is computed out of place, in chunks, without copying the state; other
+  optimizers snapshot and restore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as functional_adam
+from torch.optim.optimizer import _get_scalar_dtype
+
+from hf_acco.comm.sharding import Segment
+
+# Optimizers whose update of an element depends only on that element's gradient, parameter and state.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+ESTIMATE_TEMPORARIES = 6  # window-sized fp32 temporaries of the Adam estimate at once, at most (m, v, denominator,
+# an L2 gradient, a narrow output, and one of the previous window's while the next is allocated)
+
+
+def estimate_window(shard_numel: int) -> int:
+    """Elements per window of the out-of-place Adam estimate: its temporaries stay within one shard's size, and
+    the number of windows (of foreach calls) stays small: at most 16M elements, at least 1M."""
+    return max(1 << 20, min(1 << 24, shard_numel // ESTIMATE_TEMPORARIES))
+
+
+def check_elementwise(
+    optimizer_cls: type, allow_custom: bool = False, how_to_allow: str = "pass allow_custom_optimizer=True"
+) -> None:
+    if issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS) or allow_custom:
+        return
+    names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    raise ValueError(
+        f"ACCO shards the optimizer state element by element, so it needs an element-wise optimizer; "
+        f"{optimizer_cls.__name__} is not known to be one (LBFGS, Adafactor, Muon and SparseAdam look at whole "
+        f"tensors). Use one of: {names}. If your custom optimizer is element-wise, {how_to_allow}."
+    )
+
+
+class ShardOptimizer:
+    """Master shard, gradient shard and the inner element-wise optimizer of one rank.
+
+    The shard is written out in pieces of ``piece_numel`` (one per bucket), and the gradient is a
+    ``(num_pieces, piece_numel)`` tensor whose rows may lie apart: a round can place it in its own buffer
+    (``use_grad``), so the optimizer's parameters are the segments split at piece boundaries.
+
+    Args:
+        master: this rank's fp32 shard of the parameters (taken over, not copied).
+        segments: this rank's real elements, by parameter group.
+        group_hparams: hyper-parameters of each parameter group (``lr``, ``weight_decay``, ...).
+        optimizer_cls: the element-wise torch optimizer.
+        defaults: keyword arguments for ``optimizer_cls``.
+        piece_numel: elements per piece (the whole shard by default).
+        keep_grad: hold a gradient of its own (else every update is given one with ``use_grad``).
+    """
+
+    def __init__(
+        self,
+        master: torch.Tensor,
+        segments: Sequence[Segment],
+        group_hparams: Sequence[dict[str, Any]],
+        optimizer_cls: type[torch.optim.Optimizer],
+        defaults: dict[str, Any],
+        piece_numel: int | None = None,
+        keep_grad: bool = True,
+    ) -> None:
+        self.master = master
+        self.piece_numel = piece_numel or master.numel()
+        num_pieces = master.numel() // self.piece_numel
+        self.own_grad = torch.zeros(num_pieces, self.piece_numel, device=master.device) if keep_grad else None
+        self.grad: torch.Tensor | None = None
+        self.segments = [
+            Segment(a, b, seg.group) for seg in segments for a, b in _chunks(seg.start, seg.end, self.piece_numel)
+        ]
+        self._seg_params: list[torch.nn.Parameter] = []
+        groups: list[dict[str, Any]] = [{"params": [], **hp} for hp in group_hparams]
+        for seg in self.segments:
+            p = torch.nn.Parameter(master[seg.start : seg.end], requires_grad=True)  # aliases master
+            self._seg_params.append(p)
+            groups[seg.group]["params"].append(p)
+        self.inner = optimizer_cls(groups, **defaults)
+        self._flat_state: dict[str, torch.Tensor] = {}  # per-element state keys, as shard-sized vectors
+        self._grad_views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
+        if self.own_grad is not None:
+            self.use_grad(None)
+        self._windows = _estimate_windows(self.segments, estimate_window(master.numel()))
+        covered = [(seg.start, seg.end) for seg in self.segments]
+        self._padding = [
+            piece for a, b in _gaps(covered, master.numel()) for piece in _chunks(a, b, self.piece_numel)
+        ]  # fmt: skip
+
+    def use_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """The gradient the next update reads: ``grad`` ((num_pieces, piece_numel), e.g. a view of a round's
+        buffer), or None for the optimizer's own. Returns it."""
+        grad = self.own_grad if grad is None else grad
+        if grad is None:
+            raise AssertionError("this shard optimizer holds no gradient of its own: pass one")
+        key = (grad.data_ptr(), grad.stride())
+        if self.grad is None or key != (self.grad.data_ptr(), self.grad.stride()):
+            if key not in self._grad_views:  # views of each place a gradient lives (two buffers swap), made once
+                self._grad_views[key] = [_piece_range(grad, s.start, s.end, self.piece_numel) for s in self.segments]
+            for p, view in zip(self._seg_params, self._grad_views[key]):
+                p.grad = view
+            self.grad = grad
+        return self.grad
+
+    # ---- updates ------------------------------------------------------------------------------------------
+
+    def commit(self, hparams: Sequence[dict[str, Any]]) -> None:
+        """One kept optimizer step of the master shard with the gradient in ``self.grad``."""
+        self._set_hparams(hparams)
+        self.inner.step()
+        self._consolidate_state()
+
+    def estimate(self, hparams: Sequence[dict[str, Any]], out: torch.Tensor) -> None:
+        """Write the look-ahead update of the master shard into ``out``; master and state stay as they are.
+
+        ``out`` is shaped ``(num_pieces, piece_numel)`` (or is contiguous) and may be strided, and may be
+        ``self.grad`` itself: every element's gradient is read before that element of ``out`` is written.
+        """
+        out = out.view(-1, self.piece_numel) if out.is_contiguous() else out
+        self._set_hparams(hparams)
+        if self._adam_out_of_place_ok():
+            self._adam_estimate(out)
+        else:
+            self._snapshot_estimate(out)
+
+    # ---- state --------------------------------------------------------------------------------------------
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(per-element state as shard-sized vectors, scalar state such as ``step``)."""
+        scalars: dict[str, torch.Tensor] = {}
+        for p in self._seg_params:
+            for key, value in self.inner.state.get(p, {}).items():
+                if key not in self._flat_state and torch.is_tensor(value):
+                    scalars.setdefault(key, value.detach().clone())
+        return dict(self._flat_state), scalars
+
+    def load_state_tensors(self, flat: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> None:
+        """Restore the state: per-element vectors (as ``state_tensors`` gives them) and scalars such as ``step``.
+
+        Every value is placed by torch's own ``Optimizer.load_state_dict`` (its per-parameter policy: a fused or
+        capturable Adam gets ``step`` as float32 on the parameter's device, the others keep it where it was saved).
+        The per-element vectors are moved to the master shard's device and dtype first, as that policy moves a
+        parameter's floating state, so the segments' state stays views of one vector per key."""
+        self._flat_state = {
+            k: v.to(device=self.master.device, dtype=self.master.dtype, copy=True) for k, v in flat.items()
+        }
+        index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}  # torch's
+        state = {}
+        for p, seg in zip(self._seg_params, self.segments):
+            values = {k: v[seg.start : seg.end] for k, v in self._flat_state.items()}
+            values.update({k: v.clone() for k, v in scalars.items()})  # one each: steps are incremented in place
+            state[index[id(p)]] = values
+        self.inner.state.clear()
+        self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})
+        self._consolidate_state()  # re-homes any value the policy had to move (none when it kept the views)
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    def _set_hparams(self, hparams: Sequence[dict[str, Any]]) -> None:
+        for group, hp in zip(self.inner.param_groups, hparams):
+            group.update(hp)
+
+    def _consolidate_state(self) -> None:
+        """Re-home per-element state tensors as views of one shard-sized vector per key (once)."""
+        if not self._seg_params:
+            return
+        first = self.inner.state.get(self._seg_params[0], {})
+        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.shape == self._seg_params[0].shape]
+        new_keys = [k for k in keys if k not in self._flat_state or not self._is_view_of(k)]
+        for key in new_keys:
+            flat = torch.zeros_like(self.master)
+            for p, seg in zip(self._seg_params, self.segments):
+                flat[seg.start : seg.end].copy_(self.inner.state[p][key])
+                self.inner.state[p][key] = flat[seg.start : seg.end]
+            self._flat_state[key] = flat
+
+    def _is_view_of(self, key: str) -> bool:
+        p, seg = self._seg_params[0], self.segments[0]
+        return self.inner.state[p][key].data_ptr() == self._flat_state[key][seg.start :].data_ptr()
+
+    def _adam_out_of_place_ok(self) -> bool:
+        return isinstance(self.inner, torch.optim.Adam)  # AdamW too, with every flag (fused, foreach, amsgrad, ...)
+
+    @torch.no_grad()
+    def _adam_estimate(self, out: torch.Tensor) -> None:
+        """Adam/AdamW's update out of place, through torch's own functional ``adam`` with the group's flags (fused,
+        foreach, capturable, amsgrad, maximize, decoupled weight decay) exactly as ``Adam.step`` calls it: the
+        estimate is the committed update's arithmetic, whatever kernel that is, on copies of the moments and step.
+
+        Window by window (``estimate_window`` elements at most, which bounds the temporaries); the step is never
+        read on the host (a fused or capturable step lives on the device: reading it would be a device sync)."""
+        pn, grad = self.piece_numel, self.grad
+        if grad is None:
+            raise AssertionError("an estimate with no gradient in use (use_grad sets it)")
+        for a, b in self._padding:  # padding takes the committed values
+            _piece_range(out, a, b, pn).copy_(self.master[a:b])
+        for window in self._windows:
+            for g, runs in window.items():
+                self._adam_estimate_runs(self.inner.param_groups[g], runs, grad, out)
+
+    def _adam_estimate_runs(
+        self, group: dict[str, Any], runs: list[tuple[int, int]], grad: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        pn = self.piece_numel
+        state = self.inner.state.get(group["params"][0], {})
+        thetas = [self.master[a:b] for a, b in runs]
+        grads = [_piece_range(grad, a, b, pn) for a, b in runs]
+        targets = [_piece_range(out, a, b, pn) for a, b in runs]
+        # the update is computed in fp32 in place of a copy of θ: straight in ``out`` when it is fp32 and does not
+        # hold the gradient (the kernel reads the gradient while it writes θ), else in a temporary rounded once
+        direct = targets[0].dtype == thetas[0].dtype and not overlaps(out, self.grad)
+        params = targets if direct else [torch.empty_like(t) for t in thetas]
+        torch._foreach_copy_(params, thetas)
+
+        def copies(key: str) -> list[torch.Tensor]:  # x * 1 is x, bit for bit
+            if key in state:
+                return list(torch._foreach_mul([self._flat_state[key][a:b] for a, b in runs], 1.0))
+            return [torch.zeros_like(t) for t in thetas]
+
+        exp_avgs, exp_avg_sqs = copies("exp_avg"), copies("exp_avg_sq")
+        max_exp_avg_sqs = copies("max_exp_avg_sq") if group["amsgrad"] else []
+        steps = [state["step"].clone() if "step" in state else _zero_step(group, thetas[0].device) for _ in runs]
+        beta1, beta2 = group["betas"]
+        flags = {key: group[key] for key in _ADAM_FLAGS}
+        if (
+            flags["foreach"] is None
+            and not flags["fused"]
+            and not flags["differentiable"]
+            and not torch.is_tensor(group["lr"])
+        ):  # torch's default: foreach on CUDA, one tensor at a time on CPU. The two do the same elementary ops in
+            # the same order (bit for bit: tests/test_optim.py), and foreach's calls do not grow with the number of
+            # parameters: the round holds the GIL for 10 calls per window, not 10 per parameter
+            flags["foreach"] = True
+        functional_adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            has_complex=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            **flags,
+        )
+        if not direct:
+            torch._foreach_copy_(targets, params)
+
+    @torch.no_grad()
+    def _snapshot_estimate(self, out: torch.Tensor) -> None:
+        """Any element-wise optimizer: step, read the result, restore master and state bit for bit."""
+        master_backup = self.master.clone()
+        had_state = bool(self.inner.state)
+        state_backup = {
+            p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.inner.state[p].items()}
+            for p in self._seg_params
+            if p in self.inner.state
+        }
+        self.inner.step()  # reads the gradient before ``out`` (possibly the same memory) is written
+        out.copy_(self.master.view(out.shape))
+        self.master.copy_(master_backup)
+        if not had_state:
+            self.inner.state.clear()
+            return
+        for p, saved in state_backup.items():
+            for k, v in saved.items():
+                cur = self.inner.state[p][k]
+                if torch.is_tensor(cur):
+                    cur.copy_(v)
+                else:
+                    self.inner.state[p][k] = v
+
+
+_ADAM_FLAGS: tuple[str, ...] = ("amsgrad", "weight_decay", "eps", "maximize", "foreach", "capturable")
+_ADAM_FLAGS += ("differentiable", "fused", "decoupled_weight_decay")
+
+
+def _zero_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """The ``step`` Adam creates for a parameter without state (as ``Adam._init_group``: on the parameter's device
+    when fused or capturable, else on the host)."""
+    on_device = group["fused"] or group["capturable"]
+    dtype = _get_scalar_dtype(is_fused=group["fused"])
+    return torch.zeros((), dtype=dtype, device=device if on_device else "cpu")
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether the memory spans of two tensors intersect."""
+    if b is None:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _chunks(start: int, end: int, piece_numel: int) -> list[tuple[int, int]]:
+    """Split ``[start, end)`` at multiples of ``piece_numel``."""
+    cuts = range((start // piece_numel + 1) * piece_numel, end, piece_numel)
+    bounds = [start, *cuts, end]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
+
+
+def _piece_range(t: torch.Tensor, start: int, end: int, piece_numel: int) -> torch.Tensor:
+    """Shard elements ``[start, end)`` (inside one piece) of a ``(num_pieces, piece_numel)`` tensor."""
+    piece, offset = divmod(start, piece_numel)
+    return t[piece, offset : offset + (end - start)]
+
+
+def _gaps(runs: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, numel)`` that no run (sorted, disjoint) covers."""
+    ends, starts = [0] + [b for _, b in runs], [a for a, _ in runs] + [numel]
+    return [(a, b) for a, b in zip(ends, starts) if a < b]
+
+
+def _estimate_windows(segments: Sequence[Segment], window: int) -> list[dict[int, list[tuple[int, int]]]]:
+    """Consecutive runs of at most ``window`` elements in all, by parameter group, in shard order."""
+    windows: list[dict[int, list[tuple[int, int]]]] = [{}]
+    room = window
+    for seg in segments:
+        a = seg.start
+        while a < seg.end:
+            if room == 0:
+                windows.append({})
+                room = window
+            b = min(seg.end, a + room)
+            windows[-1].setdefault(seg.group, []).append((a, b))
+            room -= b - a
+            a = b
+    return [w for w in windows if w]

@@ -1,0 +1,279 @@
+"""One ACCO round: count all-reduce, reduce-scatter, average, global norm, clip, sharded update, all-gather.
+
+A round runs on the background thread and touches only its buffer and the shard: the main thread hands it a
+full-size buffer of gradient sums and gets back, in the same buffer, the all-gathered parameters (committed θ
+for a commit round, the look-ahead θ̃ for an estimate round). It is a plain callable over a communicator, so
+tests run it with a fake one and no thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_acco.comm.communicator import Communicator
+from hf_acco.comm.quant import ErrorFeedback
+from hf_acco.comm.sharding import FlatLayout
+from hf_acco.engine.optim import ShardOptimizer, overlaps
+from hf_acco.engine.schedule import RoundKind
+
+
+@dataclass
+class RoundResult:
+    kind: RoundKind
+    weight: float  # global sum of micro-batch weights (micro-batches or tokens) the gradient was divided by
+    micro_batches: int  # global micro-batch count
+    grad_norm: float  # global norm of the averaged gradient, before clipping
+    seconds: float  # wall time of the round in the background thread
+    joined: int = 0  # ranks that were in a rendezvous when they launched this round
+    skipped: bool = False  # the averaged gradient was not finite: no update (the same decision on every rank)
+
+
+def own_pieces(layout: FlatLayout, flat: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's pieces of a flat buffer, as a (num_buckets, chunk) view."""
+    return flat.view(layout.num_buckets, layout.world_size, layout.chunk)[:, rank]
+
+
+def put_own_pieces(layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, rank: int) -> None:
+    own_pieces(layout, flat, rank).copy_(shard.view(layout.num_buckets, layout.chunk))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numeric_items(group: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """A group's numeric hyper-parameters (numbers and tuples of numbers, not flags), in a fixed order."""
+    for key in sorted(group):
+        value = group[key]
+        if _is_number(value) or (isinstance(value, tuple) and all(map(_is_number, value))):
+            yield key, value
+
+
+def hparam_numbers(hparams: list[dict[str, Any]]) -> list[float]:
+    """The numeric hyper-parameters of every group, flattened (``with_hparam_numbers`` puts them back)."""
+    return [float(v) for g in hparams for _, value in _numeric_items(g) for v in _as_tuple(value)]
+
+
+def with_hparam_numbers(hparams: list[dict[str, Any]], numbers: list[float]) -> list[dict[str, Any]]:
+    """``hparams`` with its numbers (as ``hparam_numbers`` lists them) replaced by ``numbers``, types kept."""
+    it = iter(numbers)
+    out = []
+    for group in hparams:
+        new = dict(group)
+        for key, value in _numeric_items(group):
+            values = tuple(type(v)(next(it)) for v in _as_tuple(value))
+            new[key] = values if isinstance(value, tuple) else values[0]
+        out.append(new)
+    return out
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def narrow_own_pieces(layout: FlatLayout, src: torch.Tensor, flat: torch.Tensor, rank: int) -> None:
+    """This rank's pieces of ``flat`` <- ``src`` ((num_buckets, chunk), wider), where ``src`` is this rank's pieces
+    of the same memory seen in a wider dtype. Bucket by bucket in increasing order: piece b of the narrow view ends
+    before piece b + 1 of the wide one starts, so no copy overwrites a source not yet read; a piece that overlaps
+    its own source (rank 0's first) goes through a copy."""
+    for b in range(layout.num_buckets):
+        dest, source = layout.piece(flat, b, rank), src[b]
+        dest.copy_(source.clone() if overlaps(dest, source) else source)
+
+
+NONFINITE_POLICIES = ("skip", "error")
+
+
+def check_nonfinite(nonfinite: str) -> None:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be 'skip' or 'error', got {nonfinite!r}")
+
+
+class RoundBody:
+    """The body of every round of one engine (its layout, communicator, shard and clipping / non-finite policy).
+
+    Args:
+        layout, comm, shard: the flat layout, the round's communicator and this rank's shard optimizer.
+        max_grad_norm: clip the averaged gradient to this global norm (``None``: no clipping).
+        nonfinite: ``"skip"`` an update whose averaged gradient has an inf/NaN, or ``"error"``.
+        gather: the all-gather of a round's output (``None``: exact, in the model's dtype).
+        feedback: int8 gradients' error feedback, carried from commit round to commit round.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        comm: Communicator,
+        shard: ShardOptimizer,
+        max_grad_norm: float | None = None,
+        nonfinite: str = "skip",
+        shard_grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda grads: None,
+        gather: Callable[[torch.Tensor], None] | None = None,
+        feedback: ErrorFeedback | None = None,
+    ) -> None:
+        self.layout, self.comm, self.shard = layout, comm, shard
+        # 7.'s all-gather of the output (this rank's pieces in place): exact, or int8 / int4 changes (DeltaGather)
+        self.gather_output = gather if gather is not None else lambda flat: comm.all_gather(layout, None, flat)
+        self.feedback = feedback  # int8 gradients' error feedback, for commit rounds (quant.ErrorFeedback)
+        self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
+        self.rank = comm.rank
+        self.shard_grad_of = shard_grad_of  # where a round's buffer keeps the shard gradient (None: the shard's own)
+        # The global norm's pieces: a run of one parameter in one bucket each. Pieces come in shard order, so a
+        # parameter's pieces are consecutive: summed as segments (deterministic on every device, in the order a
+        # loop would add them), one segment per parameter this rank holds.
+        self._pieces = layout.shard_param_pieces(comm.rank)
+        self._piece_views: dict[int, list[torch.Tensor]] = {}  # by the gradient's address
+        device = shard.master.device
+        runs = [(i, len(list(run))) for i, run in itertools.groupby(i for i, _, _ in self._pieces)]
+        if len({i for i, _ in runs}) != len(runs):
+            raise AssertionError("a parameter's shard pieces are not consecutive")  # FlatLayout's invariant
+        self._owned = torch.tensor([i for i, _ in runs], dtype=torch.long, device=device)
+        self._segments = torch.tensor([n for _, n in runs], dtype=torch.long, device=device)
+
+    @property
+    def nonfinite(self) -> str:
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, nonfinite: str) -> None:
+        check_nonfinite(nonfinite)
+        self._nonfinite = nonfinite
+
+    def __call__(
+        self,
+        kind: RoundKind,
+        grads: torch.Tensor,
+        params: torch.Tensor,
+        counts: list[float],
+        hparams: list[dict[str, Any]],
+        everyone_in: threading.Event,
+        label: str,
+    ) -> RoundResult:
+        """Run one round: reduce-scatter ``grads``, all-gather into ``params`` (two views of the round's buffer,
+        in the wire's and the model's dtype). ``counts`` = [weight, micro-batches, joined] of this rank."""
+        with self.comm.guard(label):
+            return self._run(kind, grads, params, counts, hparams, everyone_in)
+
+    @torch.no_grad()
+    def _run(
+        self,
+        kind: RoundKind,
+        grads: torch.Tensor,
+        buf: torch.Tensor,
+        counts: list[float],
+        hparams: list,
+        everyone_in: threading.Event,
+    ) -> RoundResult:
+        t0 = time.perf_counter()
+        layout, comm, shard = self.layout, self.comm, self.shard
+        # 1. global weight, micro-batch count and rendezvous flag, on the host. After it every rank has launched
+        # this round: the device collectives below never wait on a peer that has not started them (on NCCL such a
+        # kernel would spin on the device while the main thread goes on), and the round can finish without the
+        # other ranks' main threads.
+        # Rank 0's numeric hyper-parameters ride along (the others add zeros): every rank updates its shard with the
+        # same learning rate and weight decay in the same round, even when their schedulers have drifted apart
+        # (dynamic accumulation under Trainer: ranks launch a round at different Trainer steps).
+        numbers = hparam_numbers(hparams)
+        mine = numbers if self.rank == 0 else [0.0] * len(numbers)
+        total_weight, total_micro_batches, joined, *agreed = comm.all_reduce_counts(list(counts) + mine)
+        hparams = with_hparam_numbers(hparams, agreed)
+        everyone_in.set()
+        if total_weight <= 0:  # the same on every rank: no weight anywhere, so nothing to reduce or update
+            norm, skipped = torch.zeros(1, device=buf.device), self._no_weight(kind, joined)
+            put_own_pieces(layout, buf, shard.master, self.rank)  # the committed parameters
+        else:
+            # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums, in fp32, into the round's
+            # buffer where it has room (its own pieces, or beside them); from here on the rest of the buffer is free
+            # for the output, and this rank's output pieces once the update has read the gradient
+            grad = shard.use_grad(self.shard_grad_of(grads))
+            if self.feedback is not None and kind is RoundKind.COMMIT:  # (a Communicator subclass without the
+                comm.reduce_scatter(layout, grads, grad, self.feedback)  # argument still runs the other rounds)
+            else:
+                comm.reduce_scatter(layout, grads, grad)
+            # an output narrower than the gradient it overwrites (a bf16 model, fp32 on the wire, the gradient in
+            # this rank's own pieces): the update is computed in place of the gradient first, then rounded
+            narrow = buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()
+            norm, skipped = self._update(kind, buf, grad, total_weight, hparams, narrow)  # 3.-6.
+        # 7. all-gather
+        self.gather_output(buf)
+        if buf.is_cuda:  # the round's duration is that of its kernels, not of their launch (work.wait() does not
+            torch.cuda.current_stream(buf.device).synchronize()  # block the host on NCCL); blocks only this thread
+        seconds = time.perf_counter() - t0
+        return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined), skipped)
+
+    @staticmethod
+    def _no_weight(kind: RoundKind, joined: float) -> bool:
+        """A round with no weight on any rank hands back the committed parameters. An estimate's half without a label
+        token (completion-only SFT with truncation) is an estimate of θ itself; a rendezvous round in which no rank
+        had a micro-batch is nothing to do. A commit round without weight is a step without data: skipped, said."""
+        if kind is not RoundKind.COMMIT or joined:
+            return False
+        warnings.warn(
+            "An ACCO optimizer step had no weight on any rank (no micro-batch, or no label token: check that the "
+            "labels are not all masked): the step is skipped, the parameters stay as they are.",
+            stacklevel=2,
+        )
+        return True
+
+    def _update(
+        self,
+        kind: RoundKind,
+        buf: torch.Tensor,
+        grad: torch.Tensor,
+        total_weight: float,
+        hparams: list,
+        narrow: bool = False,
+    ) -> tuple[torch.Tensor, bool]:
+        """Average, norm, clip, update (``grad``: the shard's reduced gradient, the one ``shard.use_grad`` set); this
+        rank's pieces of ``buf`` get the result. (norm, skipped)."""
+        layout, shard = self.layout, self.shard
+        # 3. average
+        grad.div_(total_weight)
+        # 4. global gradient norm and clipping, as torch.nn.utils.clip_grad_norm_ computes them
+        norm = self.global_grad_norm(grad)
+        skipped = not bool(torch.isfinite(norm).all())  # all-reduced: every rank decides the same
+        if skipped and self.nonfinite == "error":
+            raise FloatingPointError(
+                f"The averaged gradient of this {kind.value} round is not finite (global norm {norm.item()}) on "
+                "every rank. Lower the learning rate, check the data for bad examples, or train with "
+                "bf16 instead of fp16; or let ACCO skip such steps (nonfinite='skip')."
+            )
+        if skipped:  # 5. no update: the round hands back the committed parameters
+            put_own_pieces(layout, buf, shard.master, self.rank)
+            return norm, skipped
+        if self.max_grad_norm is not None:
+            grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
+        # 5. optimizer update, 6. written into this rank's pieces of ``buf``
+        if kind is RoundKind.COMMIT:
+            shard.commit(hparams)
+            put_own_pieces(layout, buf, shard.master, self.rank)
+        elif narrow:  # the look-ahead in fp32 in place of the gradient, then rounded into the output's pieces
+            shard.estimate(hparams, grad)
+            narrow_own_pieces(layout, grad, buf, self.rank)
+        else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
+            shard.estimate(hparams, own_pieces(layout, buf, self.rank))
+        return norm, skipped
+
+    def global_grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
+        """Norm of the per-parameter norms of the shard's gradient ``grad`` (clip_grad_norm_'s formula, so that
+        clipping matches it to the bit for parameters held by one rank): each rank adds its part of each
+        parameter's squared norm."""
+        partial = torch.zeros(len(self.layout.params), dtype=grad.dtype, device=grad.device)
+        if self._pieces:  # one fused call over every piece, not a Python loop
+            if grad.data_ptr() not in self._piece_views:  # made once for each place the gradient lives
+                chunk = self.layout.chunk
+                views = [grad[a // chunk, a % chunk : a % chunk + (b - a)] for _, a, b in self._pieces]
+                self._piece_views[grad.data_ptr()] = views
+            squares = torch.stack(torch._foreach_norm(self._piece_views[grad.data_ptr()])).square()
+            partial[self._owned] = torch.segment_reduce(squares, "sum", lengths=self._segments, unsafe=True)
+        self.comm.all_reduce(partial)
+        return torch.linalg.vector_norm(partial.sqrt()).reshape(1)

@@ -1,0 +1,156 @@
+"""ACCO in a hand-written Accelerate loop: ``prepare_acco`` and a few unchanged lines.
+
+    model, optimizer = prepare_acco(accelerator, model, lr=3e-4, weight_decay=0.1)
+    scheduler = accelerator.prepare(get_scheduler(...optimizer...))
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()            # every micro-batch, as usual: ACCO counts it; steps at the window's end
+            scheduler.step()
+            optimizer.zero_grad()
+    accelerator.save_state(dir)         # committed model weights + one optimizer shard file per rank
+    accelerator.load_state(dir)
+
+Why ``optimizer.step()``: Accelerate has no hook at the end of a backward, but the usual loop calls
+``optimizer.step()`` after every backward and Accelerate forwards it only at the end of an accumulation window;
+the wrapper counts each call as one micro-batch and forwards the window's end to the ACCO optimizer.
+
+Slower and faster GPUs together, as ACCOTrainer's dynamic mode does it: ``accumulation="paced"`` and the
+micro-batches each rank claims (``acco_dataloader``; every sample once per epoch, a global batch of
+``num_processes x gradient_accumulation_steps`` micro-batches per step)::
+
+    model, optimizer = prepare_acco(accelerator, model, accumulation="paced", lr=3e-4)
+    data = acco_dataloader(accelerator, dataset, batch_size=8, collate_fn=collate)
+    for epoch in range(epochs):
+        data.set_epoch(epoch)
+        while not data.epoch_done:
+            for batch in data.step_batches(optimizer):       # this rank's share of the step, as fast as it goes
+                accelerator.backward(model(**to_device(batch)).loss)
+                optimizer.step()                             # counts the micro-batch; the data ends the step
+            scheduler.step()
+
+``accumulation="dynamic"`` (each rank computes until the round in flight is done: the global batch varies) steps
+on its own: ``optimizer.step()`` only counts micro-batches there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.optimizer import AcceleratedOptimizer
+from torch.utils.data import DataLoader
+
+from accelerate import Accelerator
+from hf_acco.comm.communicator import check_world_size
+from hf_acco.comm.groups import agreed_key, ensure_process_group
+from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
+from hf_acco.engine.core import ACCOOptimizer
+from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
+from hf_acco.pacing.pacer import Pacer
+
+
+class ACCOAcceleratedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper around an ACCOOptimizer: counts micro-batches, saves per-rank shards."""
+
+    def __init__(self, optimizer: ACCOOptimizer, accelerator: Accelerator) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=accelerator.scaler)
+        self.checkpoint_dir: str | None = None
+        # accelerator.backward divides the loss by gradient_accumulation_steps: weigh micro-batches the same way
+        self.micro_batch_weight = 1.0 / accelerator.gradient_accumulation_steps
+
+    def step(self, closure: Any = None) -> None:
+        self.optimizer.after_backward(self.micro_batch_weight)
+        if self.gradient_state.sync_gradients:
+            self.optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        # accelerator.save_state writes this on rank 0 only; the real state is in the per-rank shard files
+        return {"hf_acco": "optimizer state in acco_optimizer_rank*_of_*.pt"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.checkpoint_dir is None:
+            raise RuntimeError("Load ACCO optimizer state with accelerator.load_state(dir) (after prepare_acco).")
+        load_optimizer_state(self.optimizer, self.checkpoint_dir)  # after Accelerate loaded the model weights
+        self.checkpoint_dir = None
+
+
+def prepare_acco(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    *,
+    weight_decay: float = 0.0,
+    **acco_kwargs: Any,
+) -> tuple[torch.nn.Module, ACCOAcceleratedOptimizer]:
+    """Prepare ``model`` (no DDP) and build its ACCO optimizer for a hand-written Accelerate loop.
+
+    Weight decay applies to matrices and embeddings, not to biases and norm weights (one-dimensional
+    parameters). ``acco_kwargs`` go to [`ACCOOptimizer`] (``lr``, ``schedule``, ``max_grad_norm``, ...);
+    ``micro_batches`` defaults to the accelerator's ``gradient_accumulation_steps``; ``accumulation="dynamic"``
+    ends its steps itself (``auto_step``). Collective: every rank.
+    """
+    check_world_size(accelerator.num_processes)
+    ensure_process_group(accelerator.device)
+    model = accelerator.prepare_model(model, evaluation_mode=True)  # autocast and placement; ACCO averages
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "param_names": [n for n, p in named if p.ndim >= 2],
+         "weight_decay": weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "param_names": [n for n, p in named if p.ndim < 2],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+    acco_kwargs.setdefault("micro_batches", accelerator.gradient_accumulation_steps)
+    if acco_kwargs.get("accumulation") == "dynamic":
+        acco_kwargs.setdefault("auto_step", True)  # its steps end with the round, not with Accelerate's windows
+    engine = ACCOOptimizer([g for g in groups if g["params"]], **acco_kwargs)
+    optimizer = ACCOAcceleratedOptimizer(engine, accelerator)
+    optimizer._is_accelerate_prepared = True
+    optimizer = accelerator.prepare_optimizer(optimizer)  # registers it for save_state / load_state
+
+    def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
+        # The model files get the committed parameters, not the estimate the model computes with: a copy of them on
+        # the host, made by the process that writes them (Accelerate's save(): the main process, or each node's first
+        # with save_on_each_node). The others keep Accelerate's references to the model, which they never write.
+        on_each_node = accelerator.project_configuration.save_on_each_node
+        if accelerator.is_main_process or (on_each_node and accelerator.is_local_main_process):
+            with engine.committed_parameters():
+                for i, m in enumerate(models):
+                    if i < len(weights) and m is model:
+                        state = accelerator.get_state_dict(m, unwrap=False)
+                        weights[i] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        save_optimizer_state(engine, output_dir)
+
+    def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
+        optimizer.checkpoint_dir = input_dir  # loaded by ACCOAcceleratedOptimizer.load_state_dict, later
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    return model, optimizer
+
+
+def acco_dataloader(
+    accelerator: Accelerator,
+    dataset: Any,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    micro_batches: int | None = None,
+    **loader_kwargs: Any,
+) -> Pacer:
+    """The micro-batches of a paced ACCO loop (``prepare_acco(..., accumulation="paced")``), claimed by each rank at
+    its own pace from one seeded order of ``dataset`` (map-style): every sample once per epoch.
+
+    ``micro_batches``: per optimizer step over all ranks (default ``num_processes x gradient_accumulation_steps``).
+    ``loader_kwargs`` go to the DataLoader (``collate_fn``, ``num_workers``, ...). Call ``set_epoch`` before every
+    epoch; ``state_dict()`` at a step boundary is the position to resume from (``load_state_dict``), on any
+    number of ranks. Collective: every rank (they agree on the claim counter's name).
+    """
+    ensure_process_group(accelerator.device)
+    store = default_store() if dist.get_world_size() > 1 else dist.HashStore()
+    sampler = ClaimingBatchSampler(store, len(dataset), batch_size, seed=seed, drop_last=drop_last, shuffle=shuffle,
+                                   num_replicas=accelerator.num_processes, key=agreed_key("claims"))  # fmt: skip
+    loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
+    return Pacer(loader, sampler, micro_batches or accelerator.num_processes * accelerator.gradient_accumulation_steps)

@@ -1,0 +1,217 @@
+"""Checkpoints under ACCOTrainer: which are complete (for the ranks that read them), which one to resume from (all
+ranks agree), what a checkpoint holds beside Trainer's files (one optimizer shard per rank, the scheduler, the
+position in the epoch), and the pre-emption (JIT) checkpoint taken by every rank at the same step."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback, TrainingArguments
+
+from hf_acco.comm.communicator import PeerFailure, node
+from hf_acco.comm.groups import every_rank
+from hf_acco.engine.checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
+from hf_acco.integrations.trainer.engine import engine_of
+
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
+    from hf_acco.integrations.trainer.mixin import ACCOTrainerMixin
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_NAME = "scheduler.pt"
+DATA_STATE_NAME = "acco_data_state.json"  # dynamic mode: the position in the epoch (pacing.Pacer.state_dict)
+TRAINER_STATE_NAME = "trainer_state.json"
+JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
+
+
+def checkpoint_incomplete(path: str, world_size: int | None = None, ranks: list[int] | None = None) -> str | None:
+    """Why ``path`` is not a complete ACCOTrainer checkpoint for ``ranks`` of a run on ``world_size`` ranks (for
+    every rank when not given), or None.
+
+    Every rank writes its files, then the ranks meet, then rank 0 (each node's first process with
+    ``save_on_each_node``) writes ``trainer_state.json``: a checkpoint with a readable trainer state (and no JIT
+    sentinel) has all its files. One killed while it was written lacks it. A per-node checkpoint holds only its
+    node's optimizer shards: complete for the ranks that read it.
+    """
+    state = os.path.join(path, TRAINER_STATE_NAME)
+    if not os.path.isfile(state):
+        return f"it has no {TRAINER_STATE_NAME} (it was being written when the run stopped)"
+    try:
+        with open(state, encoding="utf-8") as f:
+            json.load(f)
+    except ValueError:
+        return f"its {TRAINER_STATE_NAME} is truncated"
+    if os.path.exists(os.path.join(path, JIT_SENTINEL)):
+        return "its pre-emption (JIT) checkpoint did not finish"
+    missing = missing_shards(path, world_size, ranks)
+    return f"it lacks {missing}" if missing else None
+
+
+def complete_checkpoints(output_dir: str, world_size: int | None = None, ranks: list[int] | None = None) -> dict:
+    """{N: path} of the checkpoint-N directories in ``output_dir`` complete for ``ranks`` (see
+    ``checkpoint_incomplete``); the others are named in a warning."""
+    if not os.path.isdir(output_dir):
+        return {}
+    found = {}
+    for name in os.listdir(output_dir):
+        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path):
+            reason = checkpoint_incomplete(path, world_size, ranks)
+            if reason is None:
+                found[int(match.group(1))] = path
+            else:
+                # per rank, per node (each node may have its own copy): say which one saw it
+                where = f"rank {ranks[0]}, {node()}" if ranks and len(ranks) == 1 else node()
+                logger.warning("Skipping %s (on %s): %s.", path, where, reason)
+    return found
+
+
+def last_complete_checkpoint(
+    output_dir: str, world_size: int | None = None, ranks: list[int] | None = None
+) -> str | None:
+    """The checkpoint-N directory with the highest N that is complete (see ``checkpoint_incomplete``), or None."""
+    found = complete_checkpoints(output_dir, world_size, ranks)
+    return found[max(found)] if found else None
+
+
+def resolve_resume(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> str | bool | None:
+    """The checkpoint ``train(resume_from_checkpoint=...)`` resumes from, agreed by all ranks (collective).
+
+    Each rank checks what it reads (its own shard: on a per-node checkpoint, save_on_each_node, only its node's are
+    there), so that no rank resumes from step 8 while another resumes from step 4, and a bad checkpoint fails on
+    every rank alike. ``True``: the latest checkpoint complete on every rank."""
+    world, rank = args.world_size, args.process_index
+    if resume_from_checkpoint is True:
+        mine = complete_checkpoints(args.output_dir, world, [rank])  # type: ignore[arg-type]  # (set by then)
+        everywhere = set.intersection(*(set(steps) for steps in every_rank(sorted(mine))))
+        for step in sorted(set(mine) - everywhere):
+            logger.warning(
+                "Skipping %s (on rank %d, %s): incomplete on another rank (its shard or its node's files).",
+                mine[step],
+                rank,
+                node(),
+            )
+        if not everywhere:
+            raise ValueError(  # Trainer's words, then ACCO's detail
+                f"No valid checkpoint found in output directory ({args.output_dir}): no complete "
+                "checkpoint to resume from. Start without resume_from_checkpoint, or point it at a checkpoint "
+                "directory."
+            )
+        return mine[max(everywhere)]
+    if isinstance(resume_from_checkpoint, str):
+        if not os.path.isdir(resume_from_checkpoint):
+            raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: not a directory.")
+        reasons = every_rank(checkpoint_incomplete(resume_from_checkpoint, world, [rank]))
+        reason = next((f"{r} (on rank {i})" for i, r in enumerate(reasons) if r is not None), None)
+        if reason is not None:
+            latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
+            raise ValueError(
+                f"Can't find a valid checkpoint at {resume_from_checkpoint}: {reason}. "
+                + (f"The latest complete checkpoint is {latest}." if latest else "No complete checkpoint is there.")
+            )
+    return resume_from_checkpoint
+
+
+def peer_failure(args: TrainingArguments, error: BaseException) -> PeerFailure:
+    """What a rank says when a peer died or stopped answering: who, where, and the checkpoint to resume from."""
+    rank, world = args.process_index, args.world_size
+    latest = last_complete_checkpoint(args.output_dir)  # type: ignore[arg-type]  # (set by then)
+    return PeerFailure(
+        f"Training stopped on rank {rank} ({node()}): peer rank(s) {[r for r in range(world) if r != rank]} "
+        "died or "
+        f"stopped answering ({type(error).__name__}). The last complete checkpoint is {latest}; restart all "
+        f"ranks with resume_from_checkpoint=True to continue from it. Cause: {error}"
+    )
+
+
+def save_engine_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
+    """Every rank's optimizer shard; on the writing process the scheduler and, in dynamic mode, the position in the
+    epoch (the same on every rank at a step boundary)."""
+    save_optimizer_state(engine_of(trainer), output_dir)  # every rank writes its own shard
+    data = trainer._pacer.state_dict() if trainer._pacer is not None else None  # collective with streams
+    if trainer.args.should_save:
+        atomic_save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))  # type: ignore[union-attr]
+        if data is not None:
+            atomic_write_json(data, os.path.join(output_dir, DATA_STATE_NAME))
+
+
+def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
+    load_optimizer_state(engine_of(trainer), checkpoint)  # collective; re-shards if the world size changed
+    scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+    if os.path.isfile(scheduler_file):
+        state = torch.load(scheduler_file, map_location="cpu", weights_only=True)
+        trainer.lr_scheduler.load_state_dict(state)  # type: ignore[union-attr]  # (Trainer's, built by then)
+
+
+def ranks_meet_before_trainer_state() -> None:
+    """Every rank's files are on disk before rank 0 writes trainer_state.json, which marks the checkpoint complete
+    (see checkpoint_incomplete): a checkpoint cut short by a crash is never resumed from."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class _JITAgreement(TrainerCallback):
+    """Transformers' SIGTERM (JIT) checkpoint, requested on all ranks at the same step boundary.
+
+    Its SIGTERM timer sets a flag per process, at any moment: ranks would save at different steps, and an
+    ACCO checkpoint needs every rank's shard of the same step. The timer here only marks the request; at each
+    step's start the ranks all-reduce it (one small collective per step, only with ``enable_jit_checkpoint``)
+    and then all raise the flag the JIT callback checks, which saves at that step boundary and stops.
+    """
+
+    def __init__(self, trainer: ACCOTrainerMixin, manager: Any) -> None:
+        self.trainer, self.manager, self.pending = trainer, manager, False
+        manager._enable_checkpoint = self._mark  # called by the SIGTERM timer thread
+
+    def _mark(self) -> None:
+        self.pending = True
+
+    def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        flag = torch.tensor([1.0 if self.pending else 0.0], device=args.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self.pending = False
+            self.manager.is_checkpoint_requested = True
+
+
+def agree_on_jit_checkpoints(trainer: ACCOTrainerMixin) -> None:
+    """Put a _JITAgreement callback in front of transformers' JIT checkpoint callback, if there is one."""
+    callbacks = trainer.callback_handler.callbacks
+    for i, cb in enumerate(callbacks):
+        manager = getattr(cb, "jit_manager", None)
+        if manager is not None:
+            callbacks.insert(i, _JITAgreement(trainer, manager))
+            return
+
+
+@contextlib.contextmanager
+def model_files_on_this_node(trainer: ACCOTrainerMixin) -> Any:
+    """With ``save_on_each_node``, each node's first process writes the model files too (every node holds the full
+    parameters: a per-node checkpoint then resumes without a shared file system). transformers 5.24's
+    ``save_pretrained`` writes on global rank 0 only (``should_save_on_this_rank``); Trainer passes
+    ``is_main_process=should_save``, which is what this node's first process needs."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    override = trainer.args.save_on_each_node and hasattr(model, "should_save_on_this_rank")
+    if override:
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        if override:
+            del model.should_save_on_this_rank
+
+
+def atomic_write_json(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)

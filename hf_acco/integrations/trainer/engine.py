@@ -1,0 +1,182 @@
+"""Building ACCO's engine for a Trainer: the construction-time checks (settings ACCO cannot honour, an optimizer it
+cannot take over), Trainer's weight-decay groups and ``optim`` choice, an optimizer instance taken over, and the
+engine reused across ``train()`` calls as Trainer reuses its optimizer."""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from hf_acco.comm.communicator import Communicator, check_world_size
+from hf_acco.comm.groups import ensure_process_group
+from hf_acco.engine.core import ACCOOptimizer
+from hf_acco.engine.optim import check_elementwise
+from hf_acco.engine.schedule import validate_settings
+from hf_acco.integrations.config import (
+    acco_setting,
+    check_halves,
+    check_supported,
+    engine_accumulation,
+    engine_micro_batches,
+)
+
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
+    from hf_acco.integrations.trainer.mixin import ACCOTrainerMixin
+
+ALLOW_CUSTOM = "set acco_allow_custom_optimizer=True and pass it as optimizer_cls_and_kwargs=(cls, kwargs)"
+
+
+def check_takeover(optimizer: Any, training_args: TrainingArguments | None) -> None:
+    """An optimizer instance ACCO can take over faithfully: an element-wise torch class, not yet stepped, whose
+    groups hold trainable parameters only (ACCO rebuilds it sharded, with the same groups and settings)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizers[0] must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    allow = acco_setting(training_args, "acco_allow_custom_optimizer") if training_args is not None else False
+    check_elementwise(type(optimizer), allow, ALLOW_CUSTOM)
+    if optimizer.state:
+        raise ValueError(
+            "The optimizer passed in optimizers=(...) has already been stepped: ACCO rebuilds it sharded and cannot "
+            "take its state over. Pass a fresh optimizer, or resume from a checkpoint with resume_from_checkpoint."
+        )
+    if any(not p.requires_grad for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "The optimizer passed in optimizers=(...) holds parameters that do not require gradients: ACCO trains "
+            "the trainable ones only. Build it over [p for p in model.parameters() if p.requires_grad]."
+        )
+
+
+def check_args(training_args: TrainingArguments) -> None:
+    """Refuse, with what to change, training arguments ACCO cannot honour (ACCO's defaults for plain ones)."""
+    check_supported(training_args)
+    check_halves(training_args)
+    validate_settings(
+        acco_setting(training_args, "acco_schedule"),
+        engine_accumulation(training_args),
+        engine_micro_batches(training_args),
+    )
+    if training_args.n_gpu > 1:
+        raise ValueError(
+            "ACCO needs one process per GPU; this run sees several GPUs in one process (DataParallel). "
+            "Launch with `accelerate launch` or `torchrun`."
+        )
+
+
+def check_trainer(trainer: ACCOTrainerMixin) -> None:
+    """What only a built Trainer can tell: its data, its optimizer class, the launch, a dynamic acco step's size."""
+    args = trainer.args
+    if (
+        trainer.train_dataset is not None
+        and hasattr(trainer.train_dataset, "__len__")
+        and not len(trainer.train_dataset)
+    ):
+        raise ValueError("train_dataset is empty: ACCO has nothing to train on. Check the data files and filters.")
+    if trainer.optimizer_cls_and_kwargs is None:
+        cls, _ = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)  # type: ignore[arg-type]  # (as Trainer)
+        check_elementwise(cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
+    check_world_size(trainer.accelerator.num_processes)
+    if (
+        engine_accumulation(args) == "paced"
+        and acco_setting(args, "acco_schedule") == "acco"
+        and args.world_size * args.gradient_accumulation_steps < 2
+    ):
+        raise ValueError(
+            "acco_accumulation='dynamic' with acco_schedule='acco' needs a global batch of at least 2 "
+            "micro-batches (one per half): world_size x gradient_accumulation_steps is 1. Raise "
+            "gradient_accumulation_steps, or use acco_accumulation='fixed' (it splits a micro-batch in two)."
+        )
+
+
+def engine_of(trainer: ACCOTrainerMixin) -> ACCOOptimizer:
+    """The trainer's engine, which ``create_optimizer`` builds at the start of ``train()``."""
+    if trainer.acco is None:
+        raise RuntimeError("ACCOTrainer builds its ACCO engine in train() (create_optimizer): there is none yet.")
+    return trainer.acco
+
+
+def reuse_engine(trainer: ACCOTrainerMixin) -> torch.optim.Optimizer | None:
+    """The engine of an earlier ``train()`` to go on with, or None to build one (Trainer calls create_optimizer at
+    every train()). The engine released its hooks and thread when the last training ended: train() again goes on
+    with the same engine and state, as Trainer goes on with its optimizer. An engine left mid-step by a failed
+    attempt (Trainer's auto batch size retry) is released and replaced."""
+    if trainer.acco is not None and trainer.optimizer is not None:
+        if trainer.acco.closed:
+            trainer.acco.reopen()
+            return trainer.optimizer
+        if trainer.acco.pristine:
+            return trainer.optimizer
+        trainer.acco.close()
+        trainer.optimizer = None
+    return None
+
+
+def optimizer_groups(trainer: ACCOTrainerMixin, model: torch.nn.Module, taken: Any) -> tuple[type, dict, list[dict]]:
+    """The optimizer's class, settings and parameter groups: those of an instance the user passed (checked in
+    __init__), else Trainer's choice (``optim`` or ``optimizer_cls_and_kwargs``) over its weight-decay groups."""
+    if taken is not None:
+        accepted = inspect.signature(type(taken).__init__).parameters  # defaults hold some it sets itself
+        kwargs = {k: v for k, v in taken.defaults.items() if k in accepted}
+        return type(taken), kwargs, [dict(g) for g in taken.param_groups]
+    if trainer.optimizer_cls_and_kwargs is not None:
+        cls, kwargs = trainer.optimizer_cls_and_kwargs
+    else:
+        cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)  # type: ignore[arg-type]  # as Trainer
+    decay = set(trainer.get_decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = []
+    for in_decay, weight_decay in ((True, trainer.args.weight_decay), (False, 0.0)):
+        chosen = [(n, p) for n, p in named if (n in decay) == in_decay]
+        groups.append(
+            {"params": [p for _, p in chosen], "param_names": [n for n, _ in chosen], "weight_decay": weight_decay}
+        )
+    return cls, kwargs, groups
+
+
+def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> torch.optim.Optimizer:
+    """Trainer's ``create_optimizer``: the ACCOOptimizer with the trainer's settings, prepared by Accelerate."""
+    reused = reuse_engine(trainer)
+    if reused is not None:
+        return reused
+    taken = None
+    if trainer.optimizer is not None and not isinstance(trainer.optimizer, ACCOOptimizer):
+        taken, trainer.optimizer = trainer.optimizer, None
+    if trainer.optimizer is not None:
+        return trainer.optimizer
+    model = trainer.model if model is None else model
+    if model is None:
+        raise ValueError("ACCOTrainer needs a model to build its optimizer for: pass model= (or model_init=).")
+    optimizer_cls, optimizer_kwargs, groups = optimizer_groups(trainer, model, taken)
+    args = trainer.args
+    check_elementwise(optimizer_cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
+    ensure_process_group(trainer.accelerator.device)
+    trainer._logged_totals = {}  # a new engine's figures start from zero
+    trainer.acco = ACCOOptimizer(
+        [g for g in groups if g["params"]],
+        optimizer_cls=optimizer_cls,
+        schedule=acco_setting(args, "acco_schedule"),
+        accumulation=engine_accumulation(args),
+        micro_batches=engine_micro_batches(args),
+        max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
+        warmup_steps=acco_setting(args, "acco_warmup_steps"),
+        communicator=Communicator(
+            reduce_scatter=acco_setting(args, "acco_reduce_scatter"),
+            timeout=datetime.timedelta(seconds=acco_setting(args, "acco_comm_timeout_s")),
+        ),
+        bucket_numel=acco_setting(args, "acco_bucket_numel"),
+        nonfinite=acco_setting(args, "acco_nonfinite"),
+        comm_dtype=acco_setting(args, "acco_comm_dtype"),
+        grad_dtype=acco_setting(args, "acco_grad_dtype"),
+        gather_dtype=acco_setting(args, "acco_gather_dtype"),
+        error_feedback=acco_setting(args, "acco_error_feedback"),
+        allow_custom_optimizer=True,  # checked just above, with the advice that fits Trainer
+        **optimizer_kwargs,
+    )
+    scheduler = trainer.lr_scheduler
+    if taken is not None and scheduler is not None and getattr(scheduler, "optimizer", None) is taken:
+        scheduler.optimizer = trainer.acco  # the user's schedule now sets the engine's learning rates
+    # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)
+    trainer.optimizer = trainer.accelerator.prepare_optimizer(trainer.acco, device_placement=False)
+    return trainer.optimizer

@@ -1,0 +1,331 @@
+"""Bytes per rank of every buffer the engine holds, next to DDP, ZeRO-1 and ZeRO-2 for the same model.
+
+    python -m hf_acco.memory --params 7e9 --world_size 8 --param_dtype bf16 [--comm_dtype auto|fp32|bf16|int8]
+                             [--gather_dtype auto|int8|int4]
+                             [--grad_dtype fp32|bf16] [--optimizer fused|foreach] [--gpus_per_node 8] [--json]
+
+Units: GB = 10^9 bytes, with GiB (2^30 bytes) beside it. An "80 GB" GPU holds 80 GiB (85.9 GB), less what the CUDA
+context, NCCL and the allocator's fragmentation take.
+
+The engine's figures come from the code that allocates its buffers: the flat layout (``FlatLayout``, padding and
+buckets included), the buffer pair's dtypes (``buffers.comm_allocation``; ``"auto"`` on the wire is the model's
+dtype), where a round keeps the shard gradient (``buffers.shard_grad_room``: in its buffer, else a tensor of its own),
+the shard optimizer's master and per-element state, the boundary's model shard (``BoundaryState``).
+``tests/test_memory.py`` checks them against the tensors a built engine really holds.
+
+* Persistent: on the device for the whole run.
+* Round stream pool: the temporaries of the rounds (the Adam estimate's windows; the commit's inner step: torch's
+  foreach Adam allocates a shard-sized square root of the second moment, the fused one nothing). They are allocated
+  on the round's own stream, and the caching allocator keeps freed blocks for the stream that made them: activations
+  cannot reuse them, so they count as held for the run. Peak = persistent + that pool + the largest temporary of
+  the main thread (none of shard size: the boundary's model shard goes to the host straight from the model).
+* Host: acco's copy of the boundary's model shard (in the model's dtype, pinned on a GPU: a checkpoint written in
+  the middle of a step still describes the boundary; torch's pinned allocator rounds each block up to a power of
+  2, which the per-rank total counts); per node with ``--gpus_per_node``. Evaluation and saving at a
+  step boundary keep the training parameters in the accumulation buffer (free there): nothing on the host; in the
+  middle of a step (hand-written loops) a copy of the model in its dtype on the host. A resume stages through the
+  accumulation buffer; a re-sharding resume reads each rank's new ranges from memory-mapped files (its shard's
+  master, model and moments, on the host while it loads).
+
+The baselines, per rank, for a model whose weights are in ``param_dtype`` and whose gradients accumulate in fp32
+(as DeepSpeed does with bf16; Adam(W): two fp32 moments): DDP, every rank everything; ZeRO-1, master and moments
+sharded; ZeRO-2, the fp32 gradient sharded too. Activations are not counted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_acco.comm import quant
+from hf_acco.comm.deltas import GATHER_DTYPES, check_gather_dtype
+from hf_acco.comm.nodes import machines
+from hf_acco.comm.sharding import FlatLayout
+from hf_acco.engine.buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
+from hf_acco.engine.optim import estimate_window
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ADAM_STATE_PER_ELEMENT = 2  # exp_avg, exp_avg_sq
+OPTIMIZERS = ("fused", "foreach")  # Trainer's default optim="adamw_torch_fused"; a plain AdamW on CUDA: foreach
+GIB = 1 << 30
+
+
+@dataclass
+class MemoryReport:
+    """Bytes per rank: what is held for the whole run, the rounds' cached temporaries, and the host's share."""
+
+    persistent: dict[str, int]  # on the device
+    round_pool: dict[str, int] = field(default_factory=dict)  # on the device, the round stream's (largest counts)
+    temporaries: dict[str, int] = field(default_factory=dict)  # on the device, main thread, one at a time
+    host: dict[str, int] = field(default_factory=dict)  # in (pinned) host memory, held for the run
+    host_transient: dict[str, int] = field(default_factory=dict)  # on the host, only while it happens
+
+    @property
+    def persistent_bytes(self) -> int:
+        return sum(self.persistent.values())
+
+    @property
+    def round_pool_bytes(self) -> int:
+        return max(self.round_pool.values(), default=0)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.persistent_bytes + self.round_pool_bytes + max(self.temporaries.values(), default=0)
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory per rank as torch's pinned allocator takes it: each block rounded up to a power of 2."""
+        return sum(1 << (n - 1).bit_length() if n else 0 for n in self.host.values())
+
+
+def estimate_temporaries(optimizer: str, narrow_output: bool) -> int:
+    """Window-sized fp32 temporaries of one Adam estimate window (optim._adam_estimate_runs): copies of the two
+    moments, θ's copy when the output is narrower than fp32 or holds the gradient, the foreach kernel's square root."""
+    return 2 + int(narrow_output) + int(optimizer == "foreach")
+
+
+def engine_memory(
+    numel: int,
+    world_size: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    comm_dtype: torch.dtype | str = "auto",
+    grad_dtype: torch.dtype = ACCUM_DTYPE,
+    schedule: str = "acco",
+    backend: str = "nccl",
+    bucket_numel: int | None = None,
+    state_per_element: int = ADAM_STATE_PER_ELEMENT,
+    max_inflight: int = 4,
+    optimizer: str = "fused",
+    gather_dtype: str = "auto",
+    ranks_per_node: int = 1,
+    error_feedback: bool = False,
+) -> MemoryReport:
+    """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
+    comm_dtype, quantized = _wire(comm_dtype, param_dtype)
+    layout = FlatLayout([torch.empty(numel, device="meta")], ["all"], [0], world_size, bucket_numel, backend)
+    full, shard = layout.padded_numel, layout.shard_numel
+    fp32 = torch.float32.itemsize
+    check_grad_dtype(grad_dtype, comm_dtype, param_dtype)
+    comm = comm_allocation(param_dtype, comm_dtype, schedule != "sync", grad_dtype)
+    room = shard_grad_room(grad_dtype if comm is None else comm, comm_dtype, world_size, layout.chunk)
+    persistent = {
+        "parameters (the model's)": numel * param_dtype.itemsize,
+        "gradient accumulation buffer (full)": full * grad_dtype.itemsize,
+        "round buffer (full)": 0 if comm is None else full * comm.itemsize,
+        "master shard (fp32)": shard * fp32,
+        "shard gradient (fp32; 0: in the round's buffer)": 0 if room else shard * SHARD_GRAD_DTYPE.itemsize,
+        "optimizer state shard (fp32)": state_per_element * shard * fp32,
+    }
+    if error_feedback:
+        if not quantized:
+            raise ValueError("error_feedback is for int8 gradients (comm_dtype='int8')")
+        persistent["int8 error feedback residual (fp32)"] = residual_bytes(layout, ranks_per_node)
+    window = min(shard, estimate_window(shard))
+    # the estimate writes into the round buffer's own pieces: in fp32 straight there, unless they hold the gradient
+    # (room "own") or are narrower (a bf16 buffer)
+    narrow = (comm if comm is not None else grad_dtype) != torch.float32 or room == "own"
+    round_pool = {
+        "round: Adam estimate windows": estimate_temporaries(optimizer, narrow) * window * fp32,
+        "round: commit step (the inner optimizer's own temporaries)": shard * fp32 if optimizer == "foreach" else 0,
+    }
+    if schedule == "sync":  # no estimate round
+        round_pool.pop("round: Adam estimate windows")
+    temporaries = {"main thread at a step boundary (no shard-sized copy)": 0}
+    host = {}
+    if schedule == "acco":
+        host["acco: the boundary's model shard (model dtype, pinned on a GPU)"] = shard * param_dtype.itemsize
+    host_transient = {
+        "evaluation / saving in the middle of a step: the model (model dtype, full)": full * param_dtype.itemsize,
+        "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
+        + shard * param_dtype.itemsize,
+    }
+    change_bits = check_gather_dtype(gather_dtype)
+    round_pool.update(wire_pool(layout, comm_dtype, quantized, change_bits, backend, max_inflight, ranks_per_node))
+    return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
+
+
+def _wire(comm_dtype: torch.dtype | str, param_dtype: torch.dtype) -> tuple[torch.dtype, bool]:
+    """(the dtype of the sums a round is handed, whether it packs them to int8): "auto" and "int8" hand it the
+    model's dtype."""
+    if not isinstance(comm_dtype, str):
+        return comm_dtype, False
+    if comm_dtype not in ("auto", "int8"):
+        raise ValueError(f"comm_dtype is a torch dtype, 'auto' (the model's) or 'int8', got {comm_dtype!r}")
+    return param_dtype, comm_dtype == "int8"
+
+
+def residual_bytes(layout: FlatLayout, ranks_per_node: int) -> int:
+    """quant.ErrorFeedback's residual: one fp32 row per row this rank quantises (a flat all-to-all: one per rank;
+    two levels, nodes.py: one per machine), every bucket."""
+    nodes, per_node = machines(layout.world_size, ranks_per_node)
+    rows = nodes if nodes > 1 and per_node > 1 else layout.world_size
+    return layout.num_buckets * rows * layout.chunk * torch.float32.itemsize
+
+
+def wire_pool(
+    layout: FlatLayout,
+    comm_dtype: torch.dtype,
+    quantized: bool,
+    change_bits: int,
+    backend: str,
+    max_inflight: int,
+    per_node: int = 1,
+) -> dict[str, int]:
+    """The round pool's buffers of the collectives themselves (the largest counts: they run one after the other);
+    ``per_node``: ranks per machine (int8 gradients go in two levels on several machines of several ranks);
+    ``change_bits``: the parameters' changes in the all-gather (8 or 4; 0: the parameters themselves)."""
+    fp32, pool = torch.float32.itemsize, {}
+    inflight = min(max_inflight, layout.num_buckets)
+    row = quant.packed_numel(layout.chunk)  # one chunk's int8 values and their scales
+    # one chunk's fp32 temporaries at once: quantising (the scaled product, an fp32 or padded copy of the input)
+    # or dequantising (one row)
+    temporaries = 2 * quant.num_blocks(layout.chunk) * quant.BLOCK * fp32
+    nodes, per_node = machines(layout.world_size, per_node)
+    if quantized and nodes > 1 and per_node > 1:  # nodes.py: a machine's reduce-scatter, then int8 between machines
+        regrouped = (layout.bucket_size + nodes * layout.chunk) * comm_dtype.itemsize  # the bucket, its node sum
+        pool["round: int8 reduce-scatter in two levels (a bucket regrouped, packed rows in flight)"] = (
+            regrouped + 2 * inflight * row * nodes + temporaries
+        )
+    elif quantized:  # every backend: the all-to-all of packed chunks (comm.py, quant.py)
+        pool["round: int8 reduce-scatter (packed buckets in flight, fp32 temporaries)"] = (
+            2 * inflight * row * layout.world_size + temporaries
+        )
+    elif backend == "gloo":
+        pool["round: all-to-all receive buffers"] = inflight * layout.bucket_size * comm_dtype.itemsize
+    if change_bits:  # deltas.py: this rank's packed change and every rank's, per bucket in flight; the change
+        changes = quant.packed_numel(layout.chunk, change_bits)
+        pool[f"round: int{change_bits} all-gather (packed changes in flight, fp32 temporaries)"] = (
+            inflight * (1 + layout.world_size) * changes + temporaries + layout.chunk * fp32
+        )
+    return pool
+
+
+def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (not imported: no cycle)
+    """The report for a built engine, from its own layout and settings."""
+    fused = any(g.get("fused") for g in opt.shard.inner.param_groups)
+    return engine_memory(
+        opt.layout.numel,
+        opt.layout.world_size,
+        param_dtype=opt.buffers.param_dtype,
+        comm_dtype="int8" if opt.comm.quantized_gradients else opt.buffers.comm_dtype,
+        gather_dtype=opt.gather_dtype,
+        ranks_per_node=opt.comm.two_level.per_node if opt.comm.two_level is not None else 1,
+        error_feedback=opt._round.feedback is not None,
+        grad_dtype=opt.buffers.accum.dtype,
+        schedule=opt.schedule.value,
+        backend=opt.comm.backend,
+        bucket_numel=opt.layout.bucket_numel,
+        state_per_element=len(opt.shard.state_tensors()[0]) or 2,
+        max_inflight=opt.comm.max_inflight,
+        optimizer="fused" if fused else "foreach",
+    )
+
+
+def baselines(numel: int, world_size: int, param_dtype: torch.dtype) -> dict[str, int]:
+    """Persistent bytes per rank of DDP, ZeRO-1 and ZeRO-2 (fp32 gradient accumulation, Adam(W))."""
+    params, grads, master, moments = numel * param_dtype.itemsize, 4 * numel, 4 * numel, 8 * numel
+    return {
+        "DDP": params + grads + master + moments,
+        "ZeRO-1": params + grads + (master + moments) // world_size,
+        "ZeRO-2": params + (grads + master + moments) // world_size,
+    }
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB ({n / GIB:.2f} GiB)"
+
+
+def table(
+    report: MemoryReport, numel: int, world_size: int, param_dtype: torch.dtype, settings: dict, gpus_per_node: int
+) -> str:
+    """The report as Markdown tables (GB = 10^9 bytes, GiB beside)."""
+    name = ", ".join(f"{k} {v}" for k, v in settings.items())
+    lines = [f"hf_acco per rank, {numel / 1e9:.3g}B parameters on {world_size} ranks ({name}):", ""]
+    lines += ["| on the device | GB (GiB) |", "|---|---|"]
+    lines += [f"| {k} | {_gb(n)} |" for k, n in report.persistent.items() if n]
+    lines += [f"| **persistent** | **{_gb(report.persistent_bytes)}** |"]
+    lines += [f"| + round stream pool: {k} | {_gb(n)} |" for k, n in report.round_pool.items()]
+    lines += [f"| **peak** (persistent + the pool's largest) | **{_gb(report.peak_bytes)}** |", ""]
+    lines += ["| on the host | GB (GiB) |", "|---|---|"]
+    lines += [f"| {k} | {_gb(n)} |" for k, n in report.host.items()]
+    lines += [f"| **pinned per rank** (blocks rounded up to a power of 2 by torch) | **{_gb(report.host_bytes)}** |"]
+    lines += [f"| **pinned per node** ({gpus_per_node} GPUs) | **{_gb(report.host_bytes * gpus_per_node)}** |"]
+    lines += [f"| only while it happens: {k} | {_gb(n)} |" for k, n in report.host_transient.items()]
+    lines += ["", "| baseline | persistent GB (GiB) |", "|---|---|"]
+    lines += [f"| {k} | {_gb(n)} |" for k, n in baselines(numel, world_size, param_dtype).items()]
+    return "\n".join(lines)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hf_acco.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--params", type=float, required=True, help="trainable parameters, e.g. 7e9")
+    p.add_argument("--world_size", type=int, default=8)
+    p.add_argument("--gpus_per_node", type=int, default=8, help="ranks per machine (pinned host memory per node)")
+    p.add_argument("--param_dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument(
+        "--comm_dtype",
+        choices=["auto", *sorted(DTYPES), "int8"],
+        default="auto",
+        help="gradients on the wire (auto: the model's)",
+    )
+    p.add_argument("--gather_dtype", choices=GATHER_DTYPES, default="auto", help="parameters in the all-gather")
+    p.add_argument("--grad_dtype", choices=sorted(DTYPES), default="fp32", help="gradient accumulation")
+    p.add_argument("--error_feedback", action="store_true", help="int8 gradients' residual (with --comm_dtype int8)")
+    p.add_argument("--schedule", choices=["acco", "dpu", "sync"], default="acco")
+    p.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="fused", help="the inner AdamW (Trainer's default: fused)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = make_parser()
+    args = p.parse_args(argv)
+    numel, param, grad = int(args.params), DTYPES[args.param_dtype], DTYPES[args.grad_dtype]
+    sent = param if args.comm_dtype in ("auto", "int8") else DTYPES[args.comm_dtype]  # int8 packs what auto sends
+    wire: torch.dtype | str = "int8" if args.comm_dtype == "int8" else sent
+    try:
+        check_grad_dtype(grad, sent, param)
+    except ValueError as e:
+        p.error(str(e))
+    if args.error_feedback and args.comm_dtype != "int8":
+        p.error("--error_feedback is for int8 gradients: add --comm_dtype int8")
+    report = engine_memory(
+        numel, args.world_size, param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule,
+        optimizer=args.optimizer, gather_dtype=args.gather_dtype, ranks_per_node=args.gpus_per_node,
+        error_feedback=args.error_feedback,
+    )  # fmt: skip
+    settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(wire), "grad_dtype": args.grad_dtype}
+    settings.update(gather_dtype=args.gather_dtype, error_feedback=args.error_feedback)
+    settings.update(schedule=args.schedule, optimizer=args.optimizer)
+    if not args.json:
+        print(table(report, numel, args.world_size, param, settings, args.gpus_per_node))
+        return
+    out = {"unit": "bytes (GB = 10^9 bytes; GiB = 2^30)", "params": numel, "world_size": args.world_size}
+    out.update(gpus_per_node=args.gpus_per_node, param_dtype=args.param_dtype, comm_dtype=_name(wire))
+    out.update(grad_dtype=args.grad_dtype, gather_dtype=args.gather_dtype, schedule=args.schedule)
+    out.update(error_feedback=args.error_feedback)
+    out.update(optimizer=args.optimizer)
+    out.update(persistent_bytes=report.persistent_bytes, round_pool_bytes=report.round_pool_bytes)
+    out.update(peak_bytes=report.peak_bytes, host_pinned_bytes_per_rank=report.host_bytes)
+    out.update(host_pinned_bytes_per_node=report.host_bytes * args.gpus_per_node)
+    out.update({f"{k}_gib": out[k] / GIB for k in list(out) if k.endswith("_bytes") or "_bytes_per_" in k})
+    out.update(persistent=report.persistent, round_pool=report.round_pool, temporaries=report.temporaries)
+    out.update(host=report.host, host_transient=report.host_transient)
+    out["baselines_persistent_bytes"] = baselines(numel, args.world_size, param)
+    print(json.dumps(out))
+
+
+def _name(dtype: torch.dtype | str) -> str:
+    return dtype if isinstance(dtype, str) else next(k for k, v in DTYPES.items() if v == dtype)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""The planner's command: ``python -m hf_acco.plan`` (its table, the recommendation as ACCOConfig arguments, the
+formulas; ``--examples``: the README's table of typical clusters, with each row's command). The model: model.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from typing import Any
+
+from hf_acco.tools.plan import model as _model
+from hf_acco.tools.plan.model import (
+    CHANGES,
+    FITTED,
+    INT8_BYTES,
+    METHODS,
+    NAMES,
+    NCCL_ALPHA_US,
+    WIRES,
+    Cluster,
+    Constants,
+    Job,
+    bucket_numel,
+    load_constants,
+    predict,
+    recommend,
+)
+
+
+def _table(rows: list[tuple[str, dict[str, float]]], ddp_step: float) -> str:
+    out = ["| method | step (s) | / DDP | tokens/s | compute (s) | communication (s) | exposed (s) | overhead (s) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, r in rows:
+        cells = [f"{r['step_s']:.3f}", f"{r['step_s'] / ddp_step:.2f}", f"{r['tokens_per_s']:,.0f}"]
+        cells += [f"{r[key]:.3f}" for key in ("compute_s", "comm_s", "exposed_s", "overhead_s")]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def report(job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05) -> str:
+    """The planner's printout: the table at the stated settings, the recommendation and the formulas."""
+    rows = [(NAMES[m], predict(*m, job, cluster, c)) for m in METHODS]
+    ddp_step = rows[0][1]["step_s"]
+    rec = recommend(job, cluster, c, tolerance)
+    ch = rec["choice"]
+    lines = [
+        f"Cluster: {cluster.gpus} GPUs, {cluster.nodes} node(s) of {cluster.local}, intra {cluster.intra_gbit:g} "
+        f"Gbit/s per GPU, inter {cluster.inter_gbit:g} Gbit/s per node; model {job.params:.3g} parameters, "
+        f"{job.param_bytes}-byte weights, {WIRES[job.grad_bytes]} gradients on the wire (ACCO, ZeRO-1)"
+        + (f", {CHANGES[job.gather_bytes]} parameter changes; " if job.gather_bytes in CHANGES else "; ")
+        + f"{job.micro_batches} micro-batches per rank per step of "
+        f"{', '.join(f'{t:g}' for t in sorted(set(job.micro_batch_s)))} s, {job.micro_batch_tokens} tokens each.",
+        f"Constants (round / all-reduce): alpha {c.alpha_s['round'] * 1e6:.0f} / {c.alpha_s['all_reduce'] * 1e6:.0f}"
+        f" us, efficiency {c.efficiency['round']:.2f} / {c.efficiency['all_reduce']:.2f}; step overhead "
+        + ", ".join(f"{m} {v * 1e3:.0f} ms" for m, v in c.overhead_s.items())
+        + f" ({c.source}).",
+        "",
+        _table(rows, ddp_step),
+        "",
+        f"Recommended: {NAMES[(ch['method'], ch['accumulation'])]} with {ch['micro_batches']} micro-batches per rank "
+        f"per step: {ch['step_s']:.3f} s/step, "
+        f"{ch['tokens_per_s']:,.0f} tokens/s (the best setting up to {job.micro_batches} micro-batches: "
+        f"{rec['best_tokens_per_s']:,.0f}; chosen as the smallest batch within {tolerance:.0%} of it).",
+    ]
+    if ch["method"] == "ddp":
+        lines.append(f"  transformers.Trainer, gradient_accumulation_steps={ch['micro_batches']}")
+    else:
+        schedule = "acco" if ch["method"] == "acco" else "sync"
+        lines.append(f"  ACCOTrainer: acco_schedule={schedule!r}, acco_accumulation={ch['accumulation']!r}, "
+                     f"gradient_accumulation_steps={ch['micro_batches']}")  # fmt: skip
+    if ch["method"] != "ddp":
+        wire = WIRES[ch["grad_bytes"]]
+        gather = f", acco_gather_dtype={CHANGES[job.gather_bytes]!r}" if job.gather_bytes in CHANGES else ""
+        lines.append(f"  acco_comm_dtype={wire!r} (gradients on the wire){gather}, acco_bucket_numel="
+                     f"{bucket_numel(replace(job, grad_bytes=ch['grad_bytes']), cluster, c)} (latency under 5 % "
+                     "of a bucket's transfer)")  # fmt: skip
+    lines += ["", _model.__doc__.split("**Collectives**")[1].split("``overhead`` is")[0].strip()]
+    return "\n".join(lines)
+
+
+# The typical clusters of the README's table (`python -m hf_acco.plan --examples` renders it): a 1.3 B-parameter
+# bf16 model, micro-batches of 8 x 2048 tokens at 0.32 s on a GPU, up to 8 per step, A100 NVLink inside a node
+COMMON = ["--params", "1.3e9", "--micro_batches", "8", "--intra_gbit", "2400", "--gpus_per_node", "8"]
+# (--world_size: all GPUs of the job)
+EXAMPLES = (
+    ("1 node x 8 GPUs (NVLink)", [*COMMON, "--world_size", "8", "--micro_batch_s", "0.32"]),
+    ("4 x 8 over 100 Gbit/s", [*COMMON, "--world_size", "32", "--inter_gbit", "100", "--micro_batch_s", "0.32"]),
+    ("16 x 8 over 25 Gbit/s", [*COMMON, "--world_size", "128", "--inter_gbit", "25", "--micro_batch_s", "0.32"]),
+    (
+        "8 fast + 8 slow (2.5x) over 100 Gbit/s",
+        [
+            *COMMON,
+            "--world_size",
+            "16",
+            "--inter_gbit",
+            "100",
+            "--micro_batch_s",
+            "0.32",
+            "0.8",
+            "--group_gpus",
+            "8",
+            "8",
+        ],
+    ),
+)
+
+
+def examples_table() -> str:
+    """The planner on :data:`EXAMPLES`: step times of every method at 8 micro-batches (the engine's default wire:
+    bf16 gradients for a bf16 model), the recommendation, and each row's command."""
+    lines = [
+        "| cluster | DDP (s) | ZeRO-1 (s) | ACCO fixed (s) | ACCO dynamic (s) | recommended | its step (s), "
+        "tokens/s vs DDP |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    commands = []
+    for name, argv in EXAMPLES:
+        out = main([*argv, "--quiet"])
+        steps = [out["predictions"][f"{m}:{a}"]["step_s"] for m, a in METHODS]
+        ch = out["recommendation"]
+        wire = WIRES[ch["grad_bytes"]]
+        k = ch["micro_batches"]
+        how = f"{NAMES[(ch['method'], ch['accumulation'])]}, {k} micro-batch{'es' if k > 1 else ''}"
+        how += f", {wire} wire" if ch["method"] != "ddp" else ""
+        gain = ch["tokens_per_s"] / out["predictions"]["ddp:fixed"]["tokens_per_s"]
+        lines.append(
+            f"| {name} | " + " | ".join(f"{t:.2f}" for t in steps) + f" | {how} | {ch['step_s']:.2f}, {gain:.2f}x |"
+        )
+        commands.append(f"python -m hf_acco.plan {' '.join(argv)}")
+    return "\n".join(lines) + "\n\n```bash\n" + "\n".join(commands) + "\n```\n"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hf_acco.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--params", type=float, help="trainable parameters, e.g. 1.3e9 (required)")
+    p.add_argument(
+        "--world_size", "--gpus", dest="gpus", type=int, help="GPUs (ranks) of the job, all nodes together (required)"
+    )
+    p.add_argument("--gpus_per_node", type=int, default=8)
+    p.add_argument(
+        "--intra_gbit",
+        type=float,
+        default=3600.0,
+        help="Gbit/s each way per GPU inside a node (default: H100 NVLink 4, 450 GB/s each way; A100 NVLink 3: "
+        "2400; PCIe 4.0 x16: about 200)",
+    )
+    p.add_argument(
+        "--inter_gbit",
+        type=float,
+        default=100.0,
+        help="Gbit/s each way per node between nodes, all its NICs together (8 x 400 Gbit/s InfiniBand: 3200)",
+    )
+    p.add_argument(
+        "--micro_batch_s",
+        type=float,
+        nargs="+",
+        default=None,
+        help="forward + backward of one micro-batch; one value, or one per GPU group with --group_gpus",
+    )
+    p.add_argument(
+        "--group_gpus",
+        type=int,
+        nargs="+",
+        default=None,
+        help="GPUs of each --micro_batch_s (a mixed cluster: --micro_batch_s 0.12 0.2 --group_gpus 16 16)",
+    )
+    p.add_argument("--tokens_per_s", type=float, default=None, help="instead of --micro_batch_s: per GPU")
+    p.add_argument("--micro_batch_tokens", type=int, default=16384, help="tokens of one micro-batch (8 x 2048)")
+    p.add_argument("--micro_batches", type=int, default=8, help="per GPU per step: the most the plan may use")
+    p.add_argument(
+        "--param_dtype",
+        "--model_dtype",
+        dest="model_dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the weights (all-gathered; DDP all-reduces gradients in it)",
+    )
+    p.add_argument(
+        "--comm_dtype",
+        choices=["auto", "bf16", "fp32", "int8"],
+        default="auto",
+        help="ACCO / ZeRO-1's gradients on the wire (acco_comm_dtype; its default auto: the model's dtype)",
+    )
+    p.add_argument(
+        "--gather_dtype",
+        choices=["auto", *CHANGES.values()],
+        default="auto",
+        help="ACCO / ZeRO-1's parameters in the all-gather (acco_gather_dtype; auto: the model's dtype)",
+    )
+    _add_model_args(p)
+    return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The cost model's own settings: the backend, its latency and efficiency, another fit; the output."""
+    p.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="nccl: rings, alpha NCCL_ALPHA_US (stated: the benchmark runs gloo); gloo: the engine's "
+        "all-to-all reduce-scatter, the fitted alpha",
+    )
+    p.add_argument("--alpha_us", type=float, default=None, help="the latency per ring step (overrides --backend's)")
+    p.add_argument("--efficiency", type=float, default=None, help="override the fitted share of the link rate")
+    p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.tools.bench.scaling`")
+    p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    p.add_argument("--quiet", action="store_true", help="print nothing (for callers that read the returned dict)")
+    p.add_argument("--examples", action="store_true", help="print the table of typical clusters, with commands")
+
+
+def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
+    if args.params is None or args.gpus is None:
+        parser.error("state --params (trainable parameters) and --world_size (GPUs, all nodes together)")
+    if (args.micro_batch_s is None) == (args.tokens_per_s is None):
+        parser.error("state one of --micro_batch_s (seconds per micro-batch) or --tokens_per_s (per GPU)")
+    times = args.micro_batch_s or [args.micro_batch_tokens / args.tokens_per_s]
+    if args.group_gpus is not None:
+        if len(args.group_gpus) != len(times) or sum(args.group_gpus) != args.gpus:
+            parser.error("--group_gpus needs one count per --micro_batch_s, adding up to --world_size")
+        times = [t for t, n in zip(times, args.group_gpus) for _ in range(n)]
+    elif len(times) > 1:
+        parser.error("several --micro_batch_s need --group_gpus (how many GPUs have each)")
+    nbytes = {"bf16": 2, "fp32": 4, "int8": INT8_BYTES}
+    wire = args.model_dtype if args.comm_dtype == "auto" else args.comm_dtype
+    gather = {v: k for k, v in CHANGES.items()}.get(args.gather_dtype)
+    return Job(params=args.params, micro_batch_s=times, micro_batches=args.micro_batches,
+               micro_batch_tokens=args.micro_batch_tokens, grad_bytes=nbytes[wire],
+               param_bytes=int(nbytes[args.model_dtype]), gather_bytes=gather)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.examples:
+        print(examples_table())
+        return {}
+    c = load_constants(args.constants) if args.constants else FITTED
+    if args.alpha_us is None and args.backend == "nccl":
+        args.alpha_us = NCCL_ALPHA_US
+    if args.alpha_us is not None:
+        c = replace(c, alpha_s=dict.fromkeys(c.alpha_s, args.alpha_us * 1e-6), source=f"{c.source}, alpha stated")
+    if args.efficiency is not None:
+        stated = dict.fromkeys(c.efficiency, args.efficiency)
+        c = replace(c, efficiency=stated, source=f"{c.source}, efficiency stated")
+    job = job_from_args(args, parser)
+    cluster = Cluster(args.gpus, args.gpus_per_node, args.intra_gbit, args.inter_gbit, args.backend)
+    out = {"constants": asdict(c), "predictions": {f"{m}:{a}": predict(m, a, job, cluster, c) for m, a in METHODS},
+           "recommendation": recommend(job, cluster, c)["choice"]}  # fmt: skip
+    if not args.quiet:
+        print(json.dumps(out, indent=1) if args.json else report(job, cluster, c))
+    return out

@@ -1,0 +1,106 @@
+"""The package's layers (docs/architecture.md): which subpackage of hf_acco may import which, read from the source
+of every module (relative imports resolved), so that no arrow points upward; and the public entry points."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hf_acco"
+HUGGING_FACE = {"transformers", "accelerate", "datasets", "peft", "trl", "evaluate"}
+
+# Each layer and the layers of hf_acco it may import (its own included); bottom first.
+MAY_IMPORT = {
+    "comm": {"comm"},
+    "engine": {"comm", "engine"},
+    "pacing": {"comm", "engine", "pacing"},
+    "integrations": {"comm", "engine", "pacing", "integrations"},
+    "tools": {"comm", "engine", "pacing", "integrations", "tools", "tasks"},
+    "tasks": {"tasks"},
+}
+TORCH_ONLY = {"comm", "engine", "pacing"}  # no Hugging Face library, not even lazily inside a function
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it, with relative imports made absolute."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # ``from hf_acco import engine``
+    return found
+
+
+def _layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "hf_acco" and parts[1] in MAY_IMPORT else None
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_module_of_the_package_is_in_a_layer_or_is_a_public_entry_point() -> None:
+    top_level = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top_level == ["__init__.py", "bench.py", "checkpoint.py", "memory.py", "plan.py", "trl.py"]
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(MAY_IMPORT)
+
+
+@pytest.mark.parametrize("layer", sorted(MAY_IMPORT))
+def test_no_import_points_upward(layer: str) -> None:
+    wrong = []
+    for path in _modules():
+        if _layer_of(".".join(path.relative_to(ROOT).parts)) != layer:
+            continue
+        for name in _imports(path):
+            target = _layer_of(name)
+            if name == "hf_acco" or (name.startswith("hf_acco.") and target is None):
+                wrong.append(f"{path.relative_to(ROOT)} imports {name} (the public API: import from a layer)")
+            elif target is not None and target not in MAY_IMPORT[layer]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+            elif layer in TORCH_ONLY and name.split(".")[0] in HUGGING_FACE:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name} (this layer imports only torch)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_sees_a_relative_import_upward(tmp_path: Path) -> None:
+    """The checker itself: a relative import from comm/ into engine/ is an arrow upward."""
+    fake = PACKAGE / "comm" / "_probe_for_test_layers.py"
+    fake.write_text("from ..engine import core\nfrom . import quant\n")
+    try:
+        found = _imports(fake)
+    finally:
+        fake.unlink()
+    assert {"hf_acco.engine.core", "hf_acco.comm.quant"} <= found
+    assert _layer_of("hf_acco.engine.core") not in MAY_IMPORT["comm"]
+
+
+def test_no_module_is_longer_than_450_lines() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in _modules() if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["hf_acco.plan", "--help"], ["hf_acco.memory", "--help"], ["hf_acco.bench", "--help"],
+     ["hf_acco.checkpoint", "--help"]],
+    ids=lambda c: c[0],
+)  # fmt: skip
+def test_the_public_commands_start(command: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: python -m " + command[0] in done.stdout
