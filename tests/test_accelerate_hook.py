@@ -180,3 +180,47 @@ def test_save_state_copies_the_model_on_the_writing_process_only(tmp_path: Path)
     assert main["copies"] and other["copies"] == []
     saved = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(saved[n], p) for n, p in main["committed"].items())  # the committed θ, not θ̃
+
+
+def bn_loop(rank: int, world_size: int, acco: bool, broadcast: bool | None = None) -> dict:
+    """BatchNorm statistics and a tower used in some steps only (dropin_script.Combined), in a hand-written loop."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from .scripts.dropin_script import Combined
+
+    ddp_kwargs = {"find_unused_parameters": True} | ({} if broadcast is None else {"broadcast_buffers": broadcast})
+    handlers = [DistributedDataParallelKwargs(**ddp_kwargs)]
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, kwargs_handlers=handlers)
+    torch.manual_seed(0)
+    model = Combined()
+    if acco:  # the changed lines
+        kwargs = {} if broadcast is None else {"broadcast_buffers": broadcast}
+        model, optimizer = prepare_acco(accelerator, model, lr=1e-2, weight_decay=0.1, schedule="sync", **kwargs)
+    else:
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        rest = [p for p in model.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(groups, lr=1e-2))
+    g = torch.Generator().manual_seed(rank)
+    for t in range(8):
+        for _ in range(2):
+            with accelerator.accumulate(model):
+                x = torch.randn(4, 8, generator=g)
+                use_b = torch.full((4,), float(t % 3 == 1))
+                accelerator.backward(model(x, torch.tanh(x[:, 0]), use_b)["loss"])
+                optimizer.step()
+                optimizer.zero_grad()
+    if acco:
+        optimizer.optimizer.finalize()
+    inner = accelerator.unwrap_model(model)
+    return {"params": [p.detach().clone() for p in inner.parameters()],
+            "buffers": [b.detach().clone() for b in inner.buffers()]}  # fmt: skip
+
+
+@pytest.mark.parametrize("broadcast", [None, False], ids=["broadcast_unset", "broadcast_false"])
+def test_prepare_acco_keeps_buffers_and_unused_parameters_as_ddp(broadcast: bool | None) -> None:
+    ddp = run_ranks(bn_loop, backend=None, acco=False, broadcast=broadcast)
+    ours = run_ranks(bn_loop, backend=None, acco=True, broadcast=broadcast)
+    for r in range(2):
+        assert rel(ours[r]["buffers"], ddp[r]["buffers"]) < 1e-5
+        assert rel(ours[r]["params"], ddp[r]["params"]) < 1e-5

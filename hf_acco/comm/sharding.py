@@ -43,11 +43,13 @@ def auto_bucket_numel(numel: int, backend: str = "gloo") -> int:
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of shard elements ``[start, end)`` that belongs to one parameter group."""
+    """A run of shard elements ``[start, end)`` that belongs to one parameter group (and to one parameter, its index
+    in the layout, when ``param`` is not -1)."""
 
     start: int
     end: int
     group: int
+    param: int = -1
 
 
 class FlatLayout:
@@ -156,6 +158,11 @@ class FlatLayout:
                 if start < end:
                     pieces.append((i, b * self.chunk + (start - lo), b * self.chunk + (end - lo)))
         return pieces
+
+    def shard_param_segments(self, rank: int) -> list[Segment]:
+        """This rank's shard as one segment per run of one parameter's elements (in shard order): what the shard
+        optimizer steps, so that a parameter without a gradient can be left alone as torch's optimizers leave it."""
+        return [Segment(a, b, self.groups[i], i) for i, a, b in self.shard_param_pieces(rank)]
 
     def shard_segments(self, rank: int) -> list[Segment]:
         """Maximal runs of this rank's shard that hold real (non-padding) elements of one group."""

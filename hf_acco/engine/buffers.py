@@ -148,6 +148,10 @@ class BufferPair:
         self.grad_room = shard_grad_room(self.wire.dtype, comm_dtype, layout.world_size, layout.chunk)
         self.grad_scale = 1.0  # multiplies the gradients of the next backward passes as they are accumulated
         self.hook_calls = 0  # gradients accumulated since the counter was last reset
+        # which parameters received a gradient since the step began (by index): a round tells its owners, so that
+        # a parameter no rank gave a gradient is left out of the update, as torch's optimizers leave out grad None
+        self.touched = bytearray(len(self.params))
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.evaluating = False  # the engine is in eval mode: no gradient may come in (``accum`` may hold parameters)
         self.eval_backup: torch.Tensor | None = None  # in eval mode, what the model held if it was not θ
         # per-parameter views of each buffer, made once: the two buffers swap roles every step
@@ -235,6 +239,18 @@ class BufferPair:
             self.grad_views[id(p)].add_(p.grad, alpha=self.grad_scale)  # type: ignore[arg-type]
         p.grad = None
         self.hook_calls += 1
+        self.touched[self._index[id(p)]] = 1
+
+    def take_touched(self, reset: bool) -> list[float]:
+        """Which parameters received a gradient since the step began (1.0 / 0.0, for the round's count all-reduce);
+        ``reset`` when the sums go with them (a commit round): the next step starts with none."""
+        flags = list(map(float, self.touched))
+        if reset:
+            self.clear_touched()
+        return flags
+
+    def clear_touched(self) -> None:
+        self.touched[:] = bytes(len(self.touched))
 
     def hand_over(self, swap: bool) -> torch.Tensor:
         """Give ``accum``'s sums to the next round: returns the buffer the round will own (``wire``).

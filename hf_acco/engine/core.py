@@ -224,10 +224,11 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
     def _build_shard(self, optimizer_cls: type, defaults: dict[str, Any], broadcast: bool) -> ShardOptimizer:
         """This rank's master shard of the model's parameters (rank 0's on every rank with ``broadcast``)."""
         master = self.buffers.initial_shard(self.comm if broadcast else None, self.comm.rank)
-        segments = self.layout.shard_segments(self.comm.rank)
+        segments = self.layout.shard_param_segments(self.comm.rank)  # one per parameter piece: each has its own step
         return ShardOptimizer(
             master, segments, self._hparams(), optimizer_cls, dict(defaults), self.layout.chunk,
             keep_grad=self.buffers.grad_room is None,  # else each round keeps it in its buffer
+            num_params=len(self._params),
         )  # fmt: skip
 
     def _restart_step(self) -> None:
@@ -235,6 +236,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self._half_count, self._half_weight = 0, 0.0  # micro-batches and their weight in this half (this rank)
         self._step_counts: list[tuple[int, float]] = []  # (micro-batches, weight) of finished halves of this step
         self.buffers.hook_calls = 0
+        self.buffers.clear_touched()
         self.phase = first_phase(self._schedule_now())
 
     # ---- settings and figures, where they live ------------------------------------------------------------

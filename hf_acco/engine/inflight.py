@@ -52,13 +52,14 @@ class RoundInFlight:
         buf = self.buffers.hand_over(swap)  # from here on the round owns ``buf``
         grads, params = self.buffers.grads_of(buf), self.buffers.params_of(buf)
         counts = [float(weight), float(micro_batches), 1.0 if joined else 0.0]  # to the host group: no device copy
+        touched = self.buffers.take_touched(reset=swap)  # the parameters these sums hold a gradient of
         inflight = InFlight(None, kind)  # type: ignore[arg-type]
         everyone_in = inflight.everyone_in
 
         def run() -> RoundResult:
             copied = before() if before is not None else None
             try:
-                return self.body(kind, grads, params, counts, hparams, everyone_in, label)
+                return self.body(kind, grads, params, counts, hparams, everyone_in, label, touched)
             finally:  # the round stream waits for the copy before its ``done`` (or failure) event, whatever happens
                 if copied is not None:
                     torch.cuda.current_stream().wait_event(copied)

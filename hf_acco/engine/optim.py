@@ -8,11 +8,17 @@ norm weights) apply per element. Two kinds of update:
 * ``estimate``: the same update computed as a look-ahead, written to an output buffer, leaving master and state
   bit-identical. For Adam/AdamW it is computed out of place, in chunks, without copying the state; other
   optimizers snapshot and restore.
+
+Both take the parameters that received no gradient on any rank (``skip``): their segments are left out of the
+update exactly as torch's optimizers leave out a parameter whose ``grad`` is None (master, state and the
+parameter's own step count untouched; a look-ahead of such a parameter is the parameter itself). Segments built
+by ``FlatLayout.shard_param_segments`` are one per parameter piece, so the step count is per parameter, as torch's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -74,6 +80,7 @@ class ShardOptimizer:
         defaults: keyword arguments for ``optimizer_cls``.
         piece_numel: elements per piece (the whole shard by default).
         keep_grad: hold a gradient of its own (else every update is given one with ``use_grad``).
+        num_params: parameters in the layout (the length of ``param_scalars``' vectors); default: from ``segments``.
     """
 
     def __init__(
@@ -85,6 +92,7 @@ class ShardOptimizer:
         defaults: dict[str, Any],
         piece_numel: int | None = None,
         keep_grad: bool = True,
+        num_params: int | None = None,
     ) -> None:
         self.master = master
         self.piece_numel = piece_numel or master.numel()
@@ -92,8 +100,12 @@ class ShardOptimizer:
         self.own_grad = torch.zeros(num_pieces, self.piece_numel, device=master.device) if keep_grad else None
         self.grad: torch.Tensor | None = None
         self.segments = [
-            Segment(a, b, seg.group) for seg in segments for a, b in _chunks(seg.start, seg.end, self.piece_numel)
+            Segment(a, b, seg.group, seg.param)
+            for seg in segments
+            for a, b in _chunks(seg.start, seg.end, self.piece_numel)
         ]
+        highest = max((seg.param for seg in self.segments), default=-1)
+        self.num_params = num_params if num_params is not None else highest + 1
         self._seg_params: list[torch.nn.Parameter] = []
         groups: list[dict[str, Any]] = [{"params": [], **hp} for hp in group_hparams]
         for seg in self.segments:
@@ -128,24 +140,28 @@ class ShardOptimizer:
 
     # ---- updates ------------------------------------------------------------------------------------------
 
-    def commit(self, hparams: Sequence[dict[str, Any]]) -> None:
-        """One kept optimizer step of the master shard with the gradient in ``self.grad``."""
+    def commit(self, hparams: Sequence[dict[str, Any]], skip: Collection[int] = ()) -> None:
+        """One kept optimizer step of the master shard with the gradient in ``self.grad``; the parameters in ``skip``
+        (layout indices) are left out, as torch leaves out a parameter whose ``grad`` is None."""
         self._set_hparams(hparams)
-        self.inner.step()
+        with self._left_out(skip):
+            self.inner.step()
         self._consolidate_state()
 
-    def estimate(self, hparams: Sequence[dict[str, Any]], out: torch.Tensor) -> None:
+    def estimate(self, hparams: Sequence[dict[str, Any]], out: torch.Tensor, skip: Collection[int] = ()) -> None:
         """Write the look-ahead update of the master shard into ``out``; master and state stay as they are.
 
         ``out`` is shaped ``(num_pieces, piece_numel)`` (or is contiguous) and may be strided, and may be
-        ``self.grad`` itself: every element's gradient is read before that element of ``out`` is written.
+        ``self.grad`` itself: every element's gradient is read before that element of ``out`` is written. The
+        parameters in ``skip`` get their master values, as a step that leaves them out would.
         """
         out = out.view(-1, self.piece_numel) if out.is_contiguous() else out
         self._set_hparams(hparams)
         if self._adam_out_of_place_ok():
-            self._adam_estimate(out)
+            self._adam_estimate(out, frozenset(skip))
         else:
-            self._snapshot_estimate(out)
+            with self._left_out(skip):
+                self._snapshot_estimate(out)
 
     # ---- state --------------------------------------------------------------------------------------------
 
@@ -158,8 +174,31 @@ class ShardOptimizer:
                     scalars.setdefault(key, value.detach().clone())
         return dict(self._flat_state), scalars
 
-    def load_state_tensors(self, flat: dict[str, torch.Tensor], scalars: dict[str, torch.Tensor]) -> None:
-        """Restore the state: per-element vectors (as ``state_tensors`` gives them) and scalars such as ``step``.
+    def param_scalars(self) -> dict[str, torch.Tensor]:
+        """Each parameter's scalar state (``step``, ...) as a float64 host vector over the layout's parameters, NaN
+        for a parameter this shard holds no stepped piece of: parameters left out of some steps count fewer."""
+        found: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for p, seg in zip(self._seg_params, self.segments):
+            for key, value in self.inner.state.get(p, {}).items():
+                if seg.param >= 0 and key not in self._flat_state and torch.is_tensor(value) and value.numel() == 1:
+                    found.setdefault(key, []).append((seg.param, value.detach().reshape(())))
+        out = {}
+        for key, pairs in found.items():
+            vector = torch.full((self.num_params,), float("nan"), dtype=torch.float64)
+            values = torch.stack([v for _, v in pairs]).to("cpu", torch.float64)  # one copy from the device
+            vector[torch.tensor([i for i, _ in pairs])] = values
+            out[key] = vector
+        return out
+
+    def load_state_tensors(
+        self,
+        flat: dict[str, torch.Tensor],
+        scalars: dict[str, torch.Tensor],
+        param_scalars: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Restore the state: per-element vectors (as ``state_tensors`` gives them) and scalars such as ``step``:
+        one for every segment, or each parameter's own (``param_scalars``, as ``param_scalars()`` gives them; a
+        parameter with NaN there was never stepped and gets no state, as torch keeps none for it).
 
         Every value is placed by torch's own ``Optimizer.load_state_dict`` (its per-parameter policy: a fused or
         capturable Adam gets ``step`` as float32 on the parameter's device, the others keep it where it was saved).
@@ -173,6 +212,11 @@ class ShardOptimizer:
         for p, seg in zip(self._seg_params, self.segments):
             values = {k: v[seg.start : seg.end] for k, v in self._flat_state.items()}
             values.update({k: v.clone() for k, v in scalars.items()})  # one each: steps are incremented in place
+            if param_scalars and seg.param >= 0:
+                own = {k: float(v[seg.param]) for k, v in param_scalars.items()}
+                if any(value != value for value in own.values()):  # NaN: never stepped
+                    continue
+                values.update({k: torch.tensor(own[k], dtype=scalars[k].dtype) for k in own if k in scalars})
             state[index[id(p)]] = values
         self.inner.state.clear()
         self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})
@@ -185,28 +229,38 @@ class ShardOptimizer:
             group.update(hp)
 
     def _consolidate_state(self) -> None:
-        """Re-home per-element state tensors as views of one shard-sized vector per key (once)."""
-        if not self._seg_params:
-            return
-        first = self.inner.state.get(self._seg_params[0], {})
-        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.shape == self._seg_params[0].shape]
-        new_keys = [k for k in keys if k not in self._flat_state or not self._is_view_of(k)]
-        for key in new_keys:
-            flat = torch.zeros_like(self.master)
-            for p, seg in zip(self._seg_params, self.segments):
-                flat[seg.start : seg.end].copy_(self.inner.state[p][key])
-                self.inner.state[p][key] = flat[seg.start : seg.end]
-            self._flat_state[key] = flat
+        """Re-home per-element state tensors as views of one shard-sized vector per key. A segment stepped for the
+        first time (all of them at the first step; later, a parameter that had no gradient until then) brings new
+        tensors: copied in, replaced by views. A segment never stepped has zeros there and no state."""
+        for p, seg in zip(self._seg_params, self.segments):
+            state = self.inner.state.get(p)
+            for key, value in (state or {}).items():
+                if not (torch.is_tensor(value) and value.shape == p.shape and value.dim()):
+                    continue
+                if key not in self._flat_state:
+                    self._flat_state[key] = torch.zeros_like(self.master)
+                view = self._flat_state[key][seg.start : seg.end]
+                if value.data_ptr() != view.data_ptr():
+                    view.copy_(value)
+                    state[key] = view  # type: ignore[index]
 
-    def _is_view_of(self, key: str) -> bool:
-        p, seg = self._seg_params[0], self.segments[0]
-        return self.inner.state[p][key].data_ptr() == self._flat_state[key][seg.start :].data_ptr()
+    @contextlib.contextmanager
+    def _left_out(self, skip: Collection[int]) -> Iterator[None]:
+        """The segments of the parameters in ``skip`` have no gradient inside (torch's optimizers skip them)."""
+        out = [(p, p.grad) for p, seg in zip(self._seg_params, self.segments) if seg.param in skip] if skip else []
+        for p, _ in out:
+            p.grad = None
+        try:
+            yield
+        finally:
+            for p, grad in out:
+                p.grad = grad
 
     def _adam_out_of_place_ok(self) -> bool:
         return isinstance(self.inner, torch.optim.Adam)  # AdamW too, with every flag (fused, foreach, amsgrad, ...)
 
     @torch.no_grad()
-    def _adam_estimate(self, out: torch.Tensor) -> None:
+    def _adam_estimate(self, out: torch.Tensor, skip: frozenset[int] = frozenset()) -> None:
         """Adam/AdamW's update out of place, through torch's own functional ``adam`` with the group's flags (fused,
         foreach, capturable, amsgrad, maximize, decoupled weight decay) exactly as ``Adam.step`` calls it: the
         estimate is the committed update's arithmetic, whatever kernel that is, on copies of the moments and step.
@@ -220,16 +274,22 @@ class ShardOptimizer:
             _piece_range(out, a, b, pn).copy_(self.master[a:b])
         for window in self._windows:
             for g, runs in window.items():
-                self._adam_estimate_runs(self.inner.param_groups[g], runs, grad, out)
+                if skip:  # left out: the look-ahead of a parameter without a gradient is the parameter
+                    for a, b, _ in (run for run in runs if self.segments[run[2]].param in skip):
+                        _piece_range(out, a, b, pn).copy_(self.master[a:b])
+                    runs = [run for run in runs if self.segments[run[2]].param not in skip]
+                if runs:
+                    self._adam_estimate_runs(self.inner.param_groups[g], runs, grad, out)
 
     def _adam_estimate_runs(
-        self, group: dict[str, Any], runs: list[tuple[int, int]], grad: torch.Tensor, out: torch.Tensor
+        self, group: dict[str, Any], runs: list[tuple[int, int, int]], grad: torch.Tensor, out: torch.Tensor
     ) -> None:
+        """``runs``: (start, end, segment) of one group. Each segment's own step (a parameter left out of earlier
+        steps counts fewer); a segment never stepped has zero moments in the flat state and step 0."""
         pn = self.piece_numel
-        state = self.inner.state.get(group["params"][0], {})
-        thetas = [self.master[a:b] for a, b in runs]
-        grads = [_piece_range(grad, a, b, pn) for a, b in runs]
-        targets = [_piece_range(out, a, b, pn) for a, b in runs]
+        thetas = [self.master[a:b] for a, b, _ in runs]
+        grads = [_piece_range(grad, a, b, pn) for a, b, _ in runs]
+        targets = [_piece_range(out, a, b, pn) for a, b, _ in runs]
         # the update is computed in fp32 in place of a copy of θ: straight in ``out`` when it is fp32 and does not
         # hold the gradient (the kernel reads the gradient while it writes θ), else in a temporary rounded once
         direct = targets[0].dtype == thetas[0].dtype and not overlaps(out, self.grad)
@@ -237,13 +297,14 @@ class ShardOptimizer:
         torch._foreach_copy_(params, thetas)
 
         def copies(key: str) -> list[torch.Tensor]:  # x * 1 is x, bit for bit
-            if key in state:
-                return list(torch._foreach_mul([self._flat_state[key][a:b] for a, b in runs], 1.0))
+            if key in self._flat_state:
+                return list(torch._foreach_mul([self._flat_state[key][a:b] for a, b, _ in runs], 1.0))
             return [torch.zeros_like(t) for t in thetas]
 
         exp_avgs, exp_avg_sqs = copies("exp_avg"), copies("exp_avg_sq")
         max_exp_avg_sqs = copies("max_exp_avg_sq") if group["amsgrad"] else []
-        steps = [state["step"].clone() if "step" in state else _zero_step(group, thetas[0].device) for _ in runs]
+        states = [self.inner.state.get(self._seg_params[k], {}) for _, _, k in runs]
+        steps = [st["step"].clone() if "step" in st else _zero_step(group, thetas[0].device) for st in states]
         beta1, beta2 = group["betas"]
         flags = {key: group[key] for key in _ADAM_FLAGS}
         if (
@@ -340,18 +401,19 @@ def _gaps(runs: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(ends, starts) if a < b]
 
 
-def _estimate_windows(segments: Sequence[Segment], window: int) -> list[dict[int, list[tuple[int, int]]]]:
-    """Consecutive runs of at most ``window`` elements in all, by parameter group, in shard order."""
-    windows: list[dict[int, list[tuple[int, int]]]] = [{}]
+def _estimate_windows(segments: Sequence[Segment], window: int) -> list[dict[int, list[tuple[int, int, int]]]]:
+    """Consecutive runs (start, end, segment index) of at most ``window`` elements in all, by parameter group, in
+    shard order."""
+    windows: list[dict[int, list[tuple[int, int, int]]]] = [{}]
     room = window
-    for seg in segments:
+    for k, seg in enumerate(segments):
         a = seg.start
         while a < seg.end:
             if room == 0:
                 windows.append({})
                 room = window
             b = min(seg.end, a + room)
-            windows[-1].setdefault(seg.group, []).append((a, b))
+            windows[-1].setdefault(seg.group, []).append((a, b, k))
             room -= b - a
             a = b
     return [w for w in windows if w]

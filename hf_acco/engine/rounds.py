@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,11 +157,13 @@ class RoundBody:
         hparams: list[dict[str, Any]],
         everyone_in: threading.Event,
         label: str,
+        touched: Sequence[float] | None = None,
     ) -> RoundResult:
         """Run one round: reduce-scatter ``grads``, all-gather into ``params`` (two views of the round's buffer,
-        in the wire's and the model's dtype). ``counts`` = [weight, micro-batches, joined] of this rank."""
+        in the wire's and the model's dtype). ``counts`` = [weight, micro-batches, joined] of this rank;
+        ``touched``: per parameter, 1.0 if this rank's sums hold a gradient of it (None: all of them)."""
         with self.comm.guard(label):
-            return self._run(kind, grads, params, counts, hparams, everyone_in)
+            return self._run(kind, grads, params, counts, hparams, everyone_in, touched)
 
     @torch.no_grad()
     def _run(
@@ -172,6 +174,7 @@ class RoundBody:
         counts: list[float],
         hparams: list,
         everyone_in: threading.Event,
+        touched: Sequence[float] | None = None,
     ) -> RoundResult:
         t0 = time.perf_counter()
         layout, comm, shard = self.layout, self.comm, self.shard
@@ -182,10 +185,14 @@ class RoundBody:
         # Rank 0's numeric hyper-parameters ride along (the others add zeros): every rank updates its shard with the
         # same learning rate and weight decay in the same round, even when their schedulers have drifted apart
         # (dynamic accumulation under Trainer: ranks launch a round at different Trainer steps).
+        # Which parameters received a gradient on any rank rides along too (a flag per parameter, summed): a
+        # parameter no rank gave one is left out of the update (skip), as torch's optimizers leave out grad None.
         numbers = hparam_numbers(hparams)
         mine = numbers if self.rank == 0 else [0.0] * len(numbers)
-        total_weight, total_micro_batches, joined, *agreed = comm.all_reduce_counts(list(counts) + mine)
-        hparams = with_hparam_numbers(hparams, agreed)
+        flags = list(touched) if touched is not None else [1.0] * len(self.layout.params)
+        total_weight, total_micro_batches, joined, *agreed = comm.all_reduce_counts(list(counts) + flags + mine)
+        skip = frozenset(i for i, f in enumerate(agreed[: len(flags)]) if f == 0.0)
+        hparams = with_hparam_numbers(hparams, agreed[len(flags) :])
         everyone_in.set()
         if total_weight <= 0:  # the same on every rank: no weight anywhere, so nothing to reduce or update
             norm, skipped = torch.zeros(1, device=buf.device), self._no_weight(kind, joined)
@@ -202,7 +209,7 @@ class RoundBody:
             # an output narrower than the gradient it overwrites (a bf16 model, fp32 on the wire, the gradient in
             # this rank's own pieces): the update is computed in place of the gradient first, then rounded
             narrow = buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()
-            norm, skipped = self._update(kind, buf, grad, total_weight, hparams, narrow)  # 3.-6.
+            norm, skipped = self._update(kind, buf, grad, total_weight, hparams, narrow, skip)  # 3.-6.
         # 7. all-gather
         self.gather_output(buf)
         if buf.is_cuda:  # the round's duration is that of its kernels, not of their launch (work.wait() does not
@@ -232,10 +239,16 @@ class RoundBody:
         total_weight: float,
         hparams: list,
         narrow: bool = False,
+        skip: frozenset[int] = frozenset(),
     ) -> tuple[torch.Tensor, bool]:
         """Average, norm, clip, update (``grad``: the shard's reduced gradient, the one ``shard.use_grad`` set); this
-        rank's pieces of ``buf`` get the result. (norm, skipped)."""
+        rank's pieces of ``buf`` get the result; the parameters in ``skip`` (no gradient on any rank) are left out
+        of the norm and the update. (norm, skipped)."""
         layout, shard = self.layout, self.shard
+        if skip:  # zero already, unless int8 error feedback sent a rounding residual for them: not a gradient
+            for i, a, b in self._pieces:
+                if i in skip:
+                    grad[a // layout.chunk, a % layout.chunk : a % layout.chunk + (b - a)].zero_()
         # 3. average
         grad.div_(total_weight)
         # 4. global gradient norm and clipping, as torch.nn.utils.clip_grad_norm_ computes them
@@ -254,13 +267,13 @@ class RoundBody:
             grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
         # 5. optimizer update, 6. written into this rank's pieces of ``buf``
         if kind is RoundKind.COMMIT:
-            shard.commit(hparams)
+            shard.commit(hparams, skip)
             put_own_pieces(layout, buf, shard.master, self.rank)
         elif narrow:  # the look-ahead in fp32 in place of the gradient, then rounded into the output's pieces
-            shard.estimate(hparams, grad)
+            shard.estimate(hparams, grad, skip)
             narrow_own_pieces(layout, grad, buf, self.rank)
         else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
-            shard.estimate(hparams, own_pieces(layout, buf, self.rank))
+            shard.estimate(hparams, own_pieces(layout, buf, self.rank), skip)
         return norm, skipped
 
     def global_grad_norm(self, grad: torch.Tensor) -> torch.Tensor:

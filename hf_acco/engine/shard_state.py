@@ -130,6 +130,9 @@ class BoundaryState:
             "model": self.model_shard(moved, held),  # in the model's dtype
             "optim_state": {k: host(v) for k, v in flat_state.items()},
             "optim_scalars": {k: host(v) for k, v in scalars.items()},
+            # each parameter's own (a parameter left out of steps for want of a gradient counts fewer), NaN where
+            # this rank holds none of it: a re-sharding load takes each parameter's from a rank that holds it
+            "optim_param_scalars": self.shard.param_scalars(),
         }
         if self.feedback is not None:  # updated by commit rounds only: the boundary's, also in the middle of a step
             state["int8_residual"] = host(self.feedback.residual)
@@ -156,7 +159,9 @@ class BoundaryState:
         """
         self.shard.master.copy_(shard(state_dict["master"]))
         self.shard.load_state_tensors(
-            {k: shard(v) for k, v in state_dict["optim_state"].items()}, state_dict["optim_scalars"]
+            {k: shard(v) for k, v in state_dict["optim_state"].items()},
+            state_dict["optim_scalars"],
+            state_dict.get("optim_param_scalars"),
         )
         for group, hp in zip(param_groups, state_dict["hparams"]):
             group.update(hp)
@@ -266,11 +271,24 @@ def reshard(shards: list[dict[str, Any]], layout: FlatLayout, rank: int) -> dict
     out.update(
         rank=rank,
         layout=layout.meta(),
+        optim_param_scalars=merge_param_scalars(shards),
         master=take(lambda s: s["master"]),
         model=take(lambda s: s["model"]),
         optim_state={k: take(_optim_state(k)) for k in shards[0]["optim_state"]},
     )
     return out
+
+
+def merge_param_scalars(shards: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every parameter's scalar state (``step``, ...) from the shards that hold a piece of it (they agree: the
+    decision to leave a parameter out is taken by all ranks together); NaN for a parameter never stepped."""
+    merged: dict[str, torch.Tensor] = {}
+    for s in shards:
+        for key, vector in (s.get("optim_param_scalars") or {}).items():
+            into = merged.setdefault(key, vector.clone())
+            missing = torch.isnan(into)
+            into[missing] = vector[missing]
+    return merged
 
 
 def _optim_state(key: str) -> Callable[[dict], torch.Tensor]:
@@ -294,6 +312,7 @@ def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     out = {k: v for k, v in shards[0].items() if k not in per_rank}
     out.update(
         consolidated=True,
+        optim_param_scalars=merge_param_scalars(shards),
         master=merge(lambda s: s["master"]),
         model=merge(lambda s: s["model"]),
         optim_state={k: merge(lambda s, k=k: s["optim_state"][k]) for k in shards[0]["optim_state"]},

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 from accelerate import Accelerator
 from hf_acco.comm.communicator import check_world_size
 from hf_acco.comm.groups import agreed_key, ensure_process_group
+from hf_acco.comm.module_buffers import BufferSync
 from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
@@ -81,6 +82,7 @@ def prepare_acco(
     model: torch.nn.Module,
     *,
     weight_decay: float = 0.0,
+    broadcast_buffers: bool | None = None,
     **acco_kwargs: Any,
 ) -> tuple[torch.nn.Module, ACCOAcceleratedOptimizer]:
     """Prepare ``model`` (no DDP) and build its ACCO optimizer for a hand-written Accelerate loop.
@@ -88,7 +90,10 @@ def prepare_acco(
     Weight decay applies to matrices and embeddings, not to biases and norm weights (one-dimensional
     parameters). ``acco_kwargs`` go to [`ACCOOptimizer`] (``lr``, ``schedule``, ``max_grad_norm``, ...);
     ``micro_batches`` defaults to the accelerator's ``gradient_accumulation_steps``; ``accumulation="dynamic"``
-    ends its steps itself (``auto_step``). Collective: every rank.
+    ends its steps itself (``auto_step``). ``broadcast_buffers`` (DDP's; unset: True with fixed accumulation): rank 0's
+    buffers (BatchNorm's running statistics) before the first forward of each accumulation window, as DDP's forward
+    does; False keeps each rank's own, as it is with dynamic or paced accumulation, whose ranks compute different
+    numbers of micro-batches. Collective: every rank.
     """
     check_world_size(accelerator.num_processes)
     ensure_process_group(accelerator.device)
@@ -103,7 +108,16 @@ def prepare_acco(
     acco_kwargs.setdefault("micro_batches", accelerator.gradient_accumulation_steps)
     if acco_kwargs.get("accumulation") == "dynamic":
         acco_kwargs.setdefault("auto_step", True)  # its steps end with the round, not with Accelerate's windows
+    fixed = acco_kwargs.get("accumulation", "fixed") == "fixed"
+    if broadcast_buffers and not fixed:
+        raise ValueError(
+            f"broadcast_buffers=True needs accumulation='fixed': with {acco_kwargs['accumulation']!r} ranks compute "
+            "different numbers of micro-batches and never meet before the same forward. Pass "
+            "broadcast_buffers=False (each rank keeps its own buffers)."
+        )
     engine = ACCOOptimizer([g for g in groups if g["params"]], **acco_kwargs)
+    if broadcast_buffers is not False and fixed and accelerator.num_processes > 1:  # DDP's, from forward hooks
+        BufferSync(model, lambda: accelerator.sync_gradients)
     optimizer = ACCOAcceleratedOptimizer(engine, accelerator)
     optimizer._is_accelerate_prepared = True
     optimizer = accelerator.prepare_optimizer(optimizer)  # registers it for save_state / load_state

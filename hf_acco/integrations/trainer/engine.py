@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,6 +14,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_acco.comm.communicator import Communicator, check_world_size
 from hf_acco.comm.groups import ensure_process_group
+from hf_acco.comm.module_buffers import BufferSync, has_running_statistics
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.engine.optim import check_elementwise
 from hf_acco.engine.schedule import validate_settings
@@ -28,6 +30,22 @@ if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
     from hf_acco.integrations.trainer.mixin import ACCOTrainerMixin
 
 ALLOW_CUSTOM = "set acco_allow_custom_optimizer=True and pass it as optimizer_cls_and_kwargs=(cls, kwargs)"
+
+
+def sync_buffers(trainer: ACCOTrainerMixin, model: torch.nn.Module) -> None:
+    """DDP's ``broadcast_buffers`` (Trainer's ``ddp_broadcast_buffers``; unset is DDP's default, True): rank 0's
+    buffers before the first forward of each accumulation window (``BufferSync``), once per model. Not with
+    dynamic accumulation (refused or said in ``check_args`` / ``check_trainer``), nor on one rank."""
+    args = trainer.args
+    current = getattr(trainer, "_acco_buffer_sync", None)
+    if current is not None and current.module is model:
+        return
+    if current is not None:
+        current.remove()
+    trainer._acco_buffer_sync = None  # type: ignore[attr-defined]
+    if args.ddp_broadcast_buffers is False or engine_accumulation(args) == "paced" or args.world_size < 2:
+        return
+    trainer._acco_buffer_sync = BufferSync(model, lambda: trainer.accelerator.sync_gradients)  # type: ignore[attr-defined]
 
 
 def check_takeover(optimizer: Any, training_args: TrainingArguments | None) -> None:
@@ -58,6 +76,12 @@ def check_args(training_args: TrainingArguments) -> None:
         engine_accumulation(training_args),
         engine_micro_batches(training_args),
     )
+    if engine_accumulation(training_args) == "paced" and training_args.ddp_broadcast_buffers:
+        raise ValueError(
+            "ddp_broadcast_buffers=True cannot be honoured with acco_accumulation='dynamic': ranks compute different "
+            "numbers of micro-batches, so they never meet before the same forward. Set ddp_broadcast_buffers=False "
+            "(each rank keeps its own buffers), or use acco_accumulation='fixed'."
+        )
     if training_args.n_gpu > 1:
         raise ValueError(
             "ACCO needs one process per GPU; this run sees several GPUs in one process (DataParallel). "
@@ -78,6 +102,19 @@ def check_trainer(trainer: ACCOTrainerMixin) -> None:
         cls, _ = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)  # type: ignore[arg-type]  # (as Trainer)
         check_elementwise(cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
     check_world_size(trainer.accelerator.num_processes)
+    if (
+        engine_accumulation(args) == "paced"
+        and args.ddp_broadcast_buffers is None
+        and has_running_statistics(
+            trainer.model  # type: ignore[arg-type]
+        )
+    ):
+        warnings.warn(
+            "The model keeps running statistics (BatchNorm), which DDP would broadcast from rank 0 before each "
+            "optimizer step; with acco_accumulation='dynamic' ranks do not meet before the same forward, so each rank "
+            "keeps its own. Set ddp_broadcast_buffers=False to say so, or use acco_accumulation='fixed'.",
+            stacklevel=3,
+        )
     if (
         engine_accumulation(args) == "paced"
         and acco_setting(args, "acco_schedule") == "acco"

@@ -6,7 +6,8 @@ What it intercepts, why, and where the work is (Trainer's loop itself is not cop
   ``engine.check_trainer``).
 * ``train``: resume only from a checkpoint complete on every rank; a dead peer is named
   (``checkpoints.resolve_resume``, ``checkpoints.peer_failure``).
-* ``_wrap_model``: Accelerate prepares the model without DDP: ACCO's rounds average the gradients.
+* ``_wrap_model``: Accelerate prepares the model without DDP: ACCO's rounds average the gradients; DDP's buffer
+  broadcast (``ddp_broadcast_buffers``) is kept by forward hooks (``engine.sync_buffers``).
 * ``create_optimizer``: the ACCOOptimizer with Trainer's groups and ``optim``, or the user's optimizer taken over,
   and the same engine again at the next ``train()`` (``engine.build_engine``).
 * ``get_train_dataloader``, ``get_batch_samples``, ``_init_training_state``, ``create_scheduler``: dynamic mode's
@@ -111,6 +112,8 @@ class ACCOTrainerMixin(_TrainerBase):
         if training and not getattr(model, "_is_accelerate_prepared", False):
             # autocast, compile and device placement, but no DDP: the ACCO rounds average the gradients
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
+        if training:  # what DDP's forward would do with the buffers: rank 0's before each window
+            engine.sync_buffers(self, model)
         return model
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
