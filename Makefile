@@ -1,4 +1,4 @@
-.PHONY: style quality test test-slow test-gpu test-latest bench bench-ab docs
+.PHONY: style quality test test-slow test-gpu gpu-check test-latest bench bench-ab docs
 
 PY ?= python3
 
@@ -19,6 +19,11 @@ test-slow:
 
 test-gpu:
 	$(PY) -m pytest -q -m gpu tests/test_gpu.py
+
+# On one GPU, under 8 minutes: the GPU tier, ACCOTrainer sync / acco against Trainer on a ~1B Llama, memory against
+# the report; writes benchmarks/results/gpu_check_<gpu>.json (docs/development.md: how to run it on a lent GPU)
+gpu-check:
+	$(PY) benchmarks/gpu_check.py
 
 # The default suite against the newest releases (no constraints.txt), in a new virtual environment: what a newer
 # transformers / accelerate / pytest breaks. torch stays pinned (the CPU wheel; an upgrade would pull a CUDA build).

@@ -49,6 +49,16 @@ def test_a_tower_without_gradient_is_left_alone_as_ddp_leaves_it(tmp_path: Path,
         assert [True, False] in used or [False, True] in used
 
 
+def test_acco_trainer_makes_no_per_step_copy_of_the_model_to_the_host(tmp_path: Path) -> None:
+    """Trainer saves at step boundaries only: the acco engine it builds keeps no boundary copy (no device-to-host
+    copy of the model shard at every step), and trains as the reference says (the tower test's DDP closeness is
+    sync's; here the acco run's losses fall and its ranks agree)."""
+    ours = train(tmp_path / "acco", "towers", acco=True, use_b=0.15, acco_schedule="acco")
+    assert [r["boundary_copy"] for r in ours] == [False, False]
+    assert torch.equal(flat(ours[0]["params"]), flat(ours[1]["params"]))
+    assert ours[0]["losses"][-1] < ours[0]["losses"][0]
+
+
 def test_experts_that_receive_no_row_are_left_alone_as_ddp_leaves_them(tmp_path: Path) -> None:
     ddp = train(tmp_path / "ddp", "experts", acco=False)
     ours = train(tmp_path / "acco", "experts", acco=True)

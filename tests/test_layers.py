@@ -56,7 +56,7 @@ def _modules() -> list[Path]:
 def test_every_module_of_the_package_is_in_a_layer_or_is_a_public_entry_point() -> None:
     top_level = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert top_level == ["__init__.py", "bench.py", "checkpoint.py", "memory.py", "plan.py", "trl.py"]
-    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__" and p.name[0] != ".")
     assert folders == sorted(MAY_IMPORT)
 
 

@@ -48,7 +48,8 @@ def test_estimate_leaves_state_bit_identical_and_equals_the_commit(cls, kw) -> N
         assert all(torch.equal(flat[k], flat2[k]) for k in flat)
         assert all(torch.equal(scalars[k], scalars2[k]) for k in scalars)
         if i == 0:
-            assert not opt.inner.state or not flat  # before the first commit there is no state to keep
+            # before the first commit: no state, or (Adam) its zeros, made in place once
+            assert not flat or all(not v.any() for v in flat.values())
         opt.commit(hparams)
         assert torch.equal(out, opt.master), f"step {i}: estimate differs from the committed step"
 
@@ -147,3 +148,37 @@ def test_loaded_state_is_placed_as_torchs_own_load_state_dict_places_it(fused: b
     loaded.commit(hparams)  # the fused kernel takes the placed state
     saved.commit(hparams)
     assert torch.equal(loaded.master, saved.master)
+
+
+@pytest.mark.parametrize("kw", [CASES[0][1], CASES[4][1], CASES[5][1]], ids=["adamw", "amsgrad", "fused"])
+def test_adam_moments_are_made_once_in_place_not_at_the_first_step(kw) -> None:
+    """Left to torch, the first step allocates each segment's moments and the shard optimizer then copies them into
+    one vector per moment: twice the moments at the peak. They exist before the first step, and stay where they
+    are."""
+    opt, hparams = _make(torch.optim.AdamW, kw)
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if kw.get("amsgrad") else [])
+    before = {k: opt._flat_state[k].data_ptr() for k in keys}
+    for p, seg in zip(opt._seg_params, opt.segments):
+        assert all(opt.inner.state[p][k].data_ptr() == before[k] + 4 * seg.start for k in keys)
+    for _ in range(2):
+        opt.grad.view(-1).copy_(torch.randn(100))
+        opt.commit(hparams)
+    assert {k: opt._flat_state[k].data_ptr() for k in keys} == before
+    for p, seg in zip(opt._seg_params, opt.segments):
+        assert all(opt.inner.state[p][k].data_ptr() == before[k] + 4 * seg.start for k in keys)
+
+
+def test_a_resume_hands_each_moment_over_once() -> None:
+    """``load_state_tensors(copy=False)``, the resume's path: the new vectors are taken over (a GPU gets one copy of
+    each moment, from the host; not a second one on the device)."""
+    saved, hparams = _make(torch.optim.AdamW, CASES[0][1])
+    saved.grad.view(-1).copy_(torch.randn(100))
+    saved.commit(hparams)
+    flat, scalars = saved.state_tensors()
+    fresh = {k: v.clone() for k, v in flat.items()}
+    loaded, _ = _make(torch.optim.AdamW, CASES[0][1])
+    loaded.load_state_tensors(fresh, scalars, copy=False)
+    assert all(loaded._flat_state[k].data_ptr() == fresh[k].data_ptr() for k in fresh)
+    kept, _ = _make(torch.optim.AdamW, CASES[0][1])
+    kept.load_state_tensors(flat, scalars)  # the default copies: the caller's vectors stay the caller's
+    assert all(kept._flat_state[k].data_ptr() != flat[k].data_ptr() for k in flat)

@@ -302,3 +302,23 @@ def test_the_fake_communicator_keeps_the_real_ones_signatures() -> None:
     assert methods, "FakeComm has no collective"
     for name in methods:
         assert shape(getattr(FakeComm, name)) == shape(getattr(Communicator, name)), name
+
+
+def test_on_cuda_the_round_runs_on_a_high_priority_stream_of_its_own(monkeypatch) -> None:
+    """The rule a GPU needs, checked without one: the runner asks CUDA for a stream of priority -1 (its highest)
+    on the engine's device, and the round's thread selects that device before it runs anything."""
+    from hf_acco.engine.runner import RoundRunner
+
+    made, selected = [], []
+
+    class Stream:
+        def __init__(self, device=None, priority=0) -> None:
+            made.append((device, priority))
+            self.device = device
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    runner = RoundRunner(torch.device("cuda", 1))
+    runner.shutdown()
+    assert made == [(torch.device("cuda", 1), -1)]
+    assert selected == [torch.device("cuda", 1)]

@@ -314,23 +314,54 @@ def test_int8_on_two_machines_of_two_ranks_trains_close_to_fp32() -> None:
     assert two_level[0]["losses"][-1] == pytest.approx(fp32[0]["losses"][-1], rel=0.01)
 
 
-def _levels_from_the_launcher(rank: int, world_size: int, local_rank: list[int]) -> bool:
+def _levels_from_the_launcher(rank: int, world_size: int, local_rank: list[int], per_node: list[int]) -> dict:
     import os
+    import warnings
 
     from hf_acco.comm.communicator import Communicator
 
-    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(local_rank[rank]))  # as torchrun sets them per machine
+    # as torchrun sets them on each machine
+    os.environ.update(LOCAL_WORLD_SIZE=str(per_node[rank]), LOCAL_RANK=str(local_rank[rank]))
     comm = Communicator()
-    comm.use_int8_gradients()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm.use_int8_gradients()
     two_level = comm.two_level is not None
     comm.destroy()
-    return two_level
+    return {"two_level": two_level, "warnings": [str(w.message) for w in caught]}
 
 
 def test_the_two_levels_follow_the_launchers_numbering_else_the_all_to_all_stays_flat() -> None:
-    assert run_ranks(_levels_from_the_launcher, world_size=4, local_rank=[0, 1, 0, 1]) == [True] * 4
+    got = run_ranks(_levels_from_the_launcher, world_size=4, local_rank=[0, 1, 0, 1], per_node=[2] * 4)
+    assert [r["two_level"] for r in got] == [True] * 4
     # machines not numbered machine by machine (a hand-made launch): every rank falls back to the flat all-to-all
-    assert run_ranks(_levels_from_the_launcher, world_size=4, local_rank=[1, 0, 0, 1]) == [False] * 4
+    got = run_ranks(_levels_from_the_launcher, world_size=4, local_rank=[1, 0, 0, 1], per_node=[2] * 4)
+    assert [r["two_level"] for r in got] == [False] * 4
+
+
+def test_machines_of_unequal_size_agree_on_the_flat_all_to_all_instead_of_hanging() -> None:
+    """3 machines of 2 + 1 + 1 ranks (the 8 + 4 GPUs of a real job, small): each rank alone would decide
+    differently (the first machine's ranks see 2 machines of 2, the others 4 of 1) and the first two would wait
+    forever in a group the others never create. They agree first; every rank goes flat and says why."""
+    got = run_ranks(
+        _levels_from_the_launcher, world_size=4, local_rank=[0, 1, 0, 0], per_node=[2, 2, 1, 1], timeout=60
+    )
+    assert [r["two_level"] for r in got] == [False] * 4
+    assert all(any("unequal numbers of ranks (LOCAL_WORLD_SIZE from 1 to 2)" in w for w in r["warnings"]) for r in got)
+
+
+def _count_options(rank: int, world_size: int) -> int:
+    from hf_acco.comm.nodes import node_groups
+
+    made = []
+    groups = node_groups(list(range(world_size)), rank, 2, 2, None, lambda: made.append(1))
+    groups.destroy()
+    return len(made)
+
+
+def test_each_group_of_the_two_levels_gets_options_of_its_own() -> None:
+    """NCCL configures the Options object a group is made with: node and rail groups must not share one."""
+    assert run_ranks(_count_options, world_size=4) == [4] * 4  # 2 machine groups + 2 rail groups, on every rank
 
 
 def _feedback_rounds(rank: int, world_size: int, feedback: bool, rounds: int) -> dict:

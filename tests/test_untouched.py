@@ -203,3 +203,35 @@ def test_a_tower_never_used_stays_bit_identical_under_acco_on_every_wire(setting
     initial = _tower_b(list(Towers().parameters()))
     assert all(torch.equal(a, b) for r in ours for a, b in zip(_tower_b(r), initial))
     assert not torch.equal(ours[0][0], next(Towers().parameters()))  # tower A did train
+
+
+def _without_boundary_copy(rank: int, world_size: int, boundary_copy: bool) -> dict:
+    model = Towers()
+    opt = ACCOOptimizer(groups(model), lr=LR, micro_batches=MICRO, boundary_copy=boundary_copy)
+    loss = loss_of("some_steps")
+    states, error = [], None
+    for t, step in enumerate(_batches(rank)[:6]):
+        for i, b in enumerate(step):
+            loss(model, b)[0].backward()
+            opt.after_backward()
+            if t == 3 and i == MICRO // 2:  # after the half boundary: the model holds θ_t, not the boundary's θ̃
+                try:
+                    opt.state_dict()
+                except RuntimeError as e:
+                    error = str(e)
+        opt.step()
+        states.append(opt.state_dict()["model"])  # at a step boundary: the model's own
+    opt.finalize()
+    return {"states": states, "error": error, "copy": opt._boundary.copy is not None,
+            "params": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
+
+
+def test_without_the_boundary_copy_checkpoints_at_step_boundaries_are_the_same_and_mid_step_ones_are_refused() -> None:
+    kept = run_ranks(_without_boundary_copy, boundary_copy=True)
+    lean = run_ranks(_without_boundary_copy, boundary_copy=False)
+    assert [r["copy"] for r in kept] == [True, True] and [r["copy"] for r in lean] == [False, False]
+    for a, b in zip(kept, lean):
+        assert all(torch.equal(x, y) for x, y in zip(a["states"], b["states"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert kept[0]["error"] is None
+    assert "boundary_copy=True" in lean[0]["error"] and "Save at a step boundary" in lean[0]["error"]

@@ -201,18 +201,35 @@ class Communicator:
         self._make_node_groups()
 
     def _make_node_groups(self) -> None:
-        nodes, per_node = machines(self.world_size, self.ranks_per_node)
-        if nodes == 1 or per_node == 1 or self.local_copies or self.two_level is not None:
+        if self.local_copies or self.two_level is not None:
             return
-        if self.ranks_per_node is None:  # the launcher's numbering, machine by machine, on every rank; else flat
-            local = int(os.environ.get("LOCAL_RANK", self.rank % per_node))
-            off = torch.tensor([float(local != self.rank % per_node)])
-            dist.all_reduce(off, group=self.host_group)
-            if off.item():
-                return
+        if self.ranks_per_node is None and not self._launcher_layout_agreed():
+            return
+        nodes, per_node = machines(self.world_size, self.ranks_per_node)
+        if nodes == 1 or per_node == 1:
+            return
         ranks = self._ranks if self._ranks is not None else list(range(dist.get_world_size()))
-        options = round_group_options(self.backend, self.timeout)
+        options = lambda: round_group_options(self.backend, self.timeout)  # one object per group
         self.two_level = node_groups(ranks, self.rank, nodes, per_node, self.timeout, options)
+
+    def _launcher_layout_agreed(self) -> bool:
+        """Collective (every rank, before any of them decides): whether every rank read the same machine size
+        (``LOCAL_WORLD_SIZE``) and is numbered machine by machine (``LOCAL_RANK``). Decided by each rank alone, a
+        job on machines of unequal size (8 + 4 GPUs) would have some ranks build the two levels' groups while the
+        others do not: a hang. Otherwise the flat all-to-all, said once."""
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_RANK", self.rank % max(per_node, 1)))
+        mine = torch.tensor([float(per_node), -float(per_node), float(local != self.rank % max(per_node, 1))])
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.host_group)
+        largest, smallest, off = int(mine[0]), -int(mine[1]), bool(mine[2])
+        if largest != smallest:
+            warnings.warn(
+                f"The machines of this job run unequal numbers of ranks (LOCAL_WORLD_SIZE from {smallest} to "
+                f"{largest}): int8 gradients go by one flat all-to-all over all ranks instead of two levels (inside "
+                "each machine, then between machines), which sends more bytes between machines.",
+                stacklevel=4,
+            )
+        return largest == smallest and not off
 
     def _destroy_at_exit(self) -> None:
         """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,16 +59,23 @@ def destroy_groups(*groups: Any) -> None:
 
 
 def node_groups(
-    ranks: list[int], rank: int, nodes: int, per_node: int, timeout: datetime.timedelta | None, options: Any
+    ranks: list[int],
+    rank: int,
+    nodes: int,
+    per_node: int,
+    timeout: datetime.timedelta | None,
+    options: Callable[[], Any],
 ) -> NodeGroups:
     """Collective (every rank of ``ranks``, the round's group's global ranks in its order): one group per machine
-    and one per local rank, every rank creating every group in the same order (torch's rule for ``new_group``)."""
+    and one per local rank, every rank creating every group in the same order (torch's rule for ``new_group``).
+    ``options()`` makes each group's backend options: one object per group (NCCL keeps and configures the
+    ``ProcessGroupNCCL.Options`` it is given, so two groups must not share one)."""
     mine_node, mine_rail = None, None
     for a in range(nodes):
-        group = dist.new_group(ranks[a * per_node : (a + 1) * per_node], timeout=timeout, pg_options=options)
+        group = dist.new_group(ranks[a * per_node : (a + 1) * per_node], timeout=timeout, pg_options=options())
         mine_node = group if rank // per_node == a else mine_node
     for local in range(per_node):
-        group = dist.new_group(ranks[local::per_node], timeout=timeout, pg_options=options)
+        group = dist.new_group(ranks[local::per_node], timeout=timeout, pg_options=options())
         mine_rail = group if rank % per_node == local else mine_rail
     return NodeGroups(nodes, per_node, mine_node, mine_rail)
 

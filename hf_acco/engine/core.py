@@ -127,6 +127,10 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         error_feedback (`bool`, defaults to `False`): with ``comm_dtype="int8"``, carry each commit round's rounding
             of this rank's gradients into the next commit round's (``quant.ErrorFeedback``; a float32 residual of
             the buffer's size, or of its share per machine in two levels, saved in the checkpoint).
+        boundary_copy (`bool`, defaults to `True`): ``acco`` only: at each step boundary, copy this rank's shard of
+            the model to the host (pinned on a GPU, on the commit round's side stream), so that ``state_dict()`` in
+            the middle of a step, after the A→B boundary moved the model, still describes the boundary. A caller
+            that saves only at step boundaries (``ACCOTrainer``) turns it off: no per-step device-to-host copy.
         **defaults: hyper-parameters of the inner optimizer (``lr``, ``weight_decay``, ``betas``, ...).
     """
 
@@ -153,6 +157,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         grad_dtype: str | torch.dtype = "fp32",
         gather_dtype: str = "auto",
         error_feedback: bool = False,
+        boundary_copy: bool = True,
         **defaults: Any,
     ) -> None:
         check_elementwise(optimizer_cls, allow_custom_optimizer)
@@ -180,8 +185,9 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.stats = EngineStats()
         self._round = self._build_round(max_grad_norm, nonfinite, quantized, change_bits, error_feedback)
         self.rounds = RoundInFlight(self._round, self.buffers, self.stats, self.halves)
+        self._boundary_copy = boundary_copy and self.schedule is Schedule.ACCO
         self._boundary = BoundaryState(  # the last step boundary, for state_dict
-            self.layout, self.comm, self.shard, self._params, self.schedule is Schedule.ACCO, self._round.feedback
+            self.layout, self.comm, self.shard, self._params, self._boundary_copy, self._round.feedback
         )
         self._model_moved = False  # the model no longer holds the last boundary's parameters (acco, after A→B)
         self.step_count = 0  # committed optimizer steps launched
@@ -401,7 +407,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             self._wait_and_load()
         # acco's next step loads θ_{t+1} at its A→B boundary: the commit round first copies this boundary's model
         # shard to the host, off the main stream (BoundaryState.capture); dpu and sync never move the model mid-step
-        capture = self._schedule_now() is Schedule.ACCO
+        capture = self._schedule_now() is Schedule.ACCO and self._boundary_copy
         self._launch(RoundKind.COMMIT, weight, micro_batches, swap=True, capture=capture)
         if end.wait_at_once:  # sync: θ_{t+1} at once
             self._wait_and_load()

@@ -114,6 +114,7 @@ class ShardOptimizer:
             groups[seg.group]["params"].append(p)
         self.inner = optimizer_cls(groups, **defaults)
         self._flat_state: dict[str, torch.Tensor] = {}  # per-element state keys, as shard-sized vectors
+        self._adam_state_in_place()
         self._grad_views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}
         if self.own_grad is not None:
             self.use_grad(None)
@@ -195,17 +196,20 @@ class ShardOptimizer:
         flat: dict[str, torch.Tensor],
         scalars: dict[str, torch.Tensor],
         param_scalars: dict[str, torch.Tensor] | None = None,
+        copy: bool = True,
     ) -> None:
         """Restore the state: per-element vectors (as ``state_tensors`` gives them) and scalars such as ``step``:
         one for every segment, or each parameter's own (``param_scalars``, as ``param_scalars()`` gives them; a
-        parameter with NaN there was never stepped and gets no state, as torch keeps none for it).
+        parameter with NaN there was never stepped and gets no state, as torch keeps none for it). ``copy=False``
+        takes the per-element vectors over when they are already on the master's device and dtype (a resume hands
+        new ones: a second device copy of every moment would raise the peak by a shard-sized vector each).
 
         Every value is placed by torch's own ``Optimizer.load_state_dict`` (its per-parameter policy: a fused or
         capturable Adam gets ``step`` as float32 on the parameter's device, the others keep it where it was saved).
         The per-element vectors are moved to the master shard's device and dtype first, as that policy moves a
         parameter's floating state, so the segments' state stays views of one vector per key."""
         self._flat_state = {
-            k: v.to(device=self.master.device, dtype=self.master.dtype, copy=True) for k, v in flat.items()
+            k: v.to(device=self.master.device, dtype=self.master.dtype, copy=copy) for k, v in flat.items()
         }
         index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}  # torch's
         state = {}
@@ -221,6 +225,7 @@ class ShardOptimizer:
         self.inner.state.clear()
         self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})
         self._consolidate_state()  # re-homes any value the policy had to move (none when it kept the views)
+        self._adam_state_in_place()  # a parameter never stepped: zeros in place, not allocated at its first step
 
     # ---- internals ----------------------------------------------------------------------------------------
 
@@ -243,6 +248,29 @@ class ShardOptimizer:
                 if value.data_ptr() != view.data_ptr():
                     view.copy_(value)
                     state[key] = view  # type: ignore[index]
+
+    def _adam_state_in_place(self) -> None:
+        """Adam / AdamW: every segment's state made once as views of one shard-sized vector per moment, before any
+        step (what torch's first step creates, zeros and a step of 0, whose update is the same). Left to torch, the
+        first step would allocate the moments segment by segment and ``_consolidate_state`` copy them into flat
+        vectors: a second set of moments at the peak, left cached by the allocator."""
+        if not isinstance(self.inner, torch.optim.Adam) or not self._seg_params:
+            return
+        keys = ["exp_avg", "exp_avg_sq"] + (
+            ["max_exp_avg_sq"] if any(g["amsgrad"] for g in self.inner.param_groups) else []
+        )
+        for key in keys:
+            if key not in self._flat_state:
+                self._flat_state[key] = torch.zeros_like(self.master)
+        groups = {id(p): g for g in self.inner.param_groups for p in g["params"]}
+        for p, seg in zip(self._seg_params, self.segments):
+            state = self.inner.state[p]
+            if state:
+                continue
+            group = groups[id(p)]
+            state["step"] = _zero_step(group, self.master.device)
+            for key in keys[:2] + (keys[2:] if group["amsgrad"] else []):
+                state[key] = self._flat_state[key][seg.start : seg.end]
 
     @contextlib.contextmanager
     def _left_out(self, skip: Collection[int]) -> Iterator[None]:

@@ -100,7 +100,13 @@ class BoundaryState:
                 )
             return out
         if moved:
-            if not self.captured or self.copy is None:
+            if self.copy is None:
+                raise RuntimeError(
+                    "state_dict() was called in the middle of an acco optimizer step, after its half boundary moved "
+                    "the model, and this engine keeps no copy of the boundary's model (boundary_copy=False). Save "
+                    "at a step boundary (after step()), or build the optimizer with boundary_copy=True."
+                )
+            if not self.captured:
                 raise AssertionError("the model moved mid-step without a copy of its boundary state")
             return self.copy.clone()
         out = torch.zeros(self.layout.shard_numel, dtype=self.param_dtype)
@@ -162,6 +168,7 @@ class BoundaryState:
             {k: shard(v) for k, v in state_dict["optim_state"].items()},
             state_dict["optim_scalars"],
             state_dict.get("optim_param_scalars"),
+            copy=False,  # ``shard`` made each a new tensor on the device: one copy of each moment, not two
         )
         for group, hp in zip(param_groups, state_dict["hparams"]):
             group.update(hp)
@@ -229,7 +236,7 @@ def shard_getter(
         )
     if state_dict["rank"] != rank:
         raise ValueError(f"Rank {rank} was given the optimizer shard of rank {state_dict['rank']}.")
-    return lambda v: v.to(device)
+    return lambda v: v.to(device, copy=True)  # a new tensor: the engine takes it over, the caller's stays theirs
 
 
 def _runs_from(meta: dict[str, Any], layout: FlatLayout, rank: int) -> list[tuple[int, int, int, int]]:

@@ -140,6 +140,7 @@ def run(rank: int, world_size: int, out: str, kind: str, acco: bool, extra: dict
         "eval_loss": eval_loss,
         "used_b": list(getattr(model, "used_b", [])),
         "hit": list(getattr(model, "hit", [])),
+        "boundary_copy": None if getattr(trainer, "acco", None) is None else trainer.acco._boundary.copy is not None,
         "rank": int(os.environ.get("RANK", rank)),
     }
 

@@ -222,3 +222,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    # A launched script's last distributed act, as the recipes end (hf_acco.end_training): every rank here, then the
+    # process groups destroyed from Python. Left to the interpreter's exit, a rank that exits while a peer still
+    # works in the default gloo group can abort ("terminate called without an active exception"), and the
+    # launcher of the other machine then waits for it at its exit barrier.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -209,6 +209,7 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
         gather_dtype=acco_setting(args, "acco_gather_dtype"),
         error_feedback=acco_setting(args, "acco_error_feedback"),
         allow_custom_optimizer=True,  # checked just above, with the advice that fits Trainer
+        boundary_copy=False,  # Trainer saves (and its JIT checkpoint agrees) at step boundaries only
         **optimizer_kwargs,
     )
     scheduler = trainer.lr_scheduler

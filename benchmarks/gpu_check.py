@@ -1,0 +1,327 @@
+"""The GPU check in one command: the GPU test tier, then ACCOTrainer against Trainer on a ~1B Llama, then memory
+against the memory report. One results file and a table.
+
+    make gpu-check                                   # on one GPU: under 8 minutes, imports included
+    python benchmarks/gpu_check.py [--out benchmarks/results] [--steps 12] [--skip_tests]
+    python benchmarks/gpu_check.py --device cpu --tiny --skip_tests --steps 4 --out outputs/gpu_check   # plumbing
+
+Each method trains the same model from the same config (no download: LlamaForCausalLM from a LlamaConfig, random
+token ids, seeded) in a process of its own, one rank (ACCOTrainer makes a one-rank process group; NCCL runs its
+real collectives there), ``bf16=True``, sdpa attention:
+
+* ``trainer_bf16``: Trainer with bf16 weights (pure-bf16 AdamW): the fastest plain Trainer;
+* ``trainer_fp32_autocast``: Trainer with fp32 weights under bf16 autocast;
+* ``acco_sync`` / ``acco_acco``: ACCOTrainer with bf16 weights, ``acco_schedule`` sync / acco.
+
+Per method: the median step time over the steps after ``--warmup`` (each step timed between CUDA synchronisations
+at Trainer's step begin and end), tokens per second, the peak and the step-end allocated memory, the final loss;
+for the ACCO runs the memory report's persistent bytes (``hf_acco.tools.memory.engine_memory``) beside what the GPU
+held at a step end, and, from a profile of three steps, the device-to-host copies a step made (count and time).
+The file records the GPU, the versions and the command; the thresholds it checks are the issue's (acco <= 1.05 x
+and sync <= 1.03 x Trainer's pure-bf16 step, persistent memory within 2 % of the report, no device-to-host copy in
+a step). A measurement, not a test: it exits 0 whatever the figures, 1 if a run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("trainer_bf16", "trainer_fp32_autocast", "acco_sync", "acco_acco")
+LIMITS = {"acco_acco": 1.05, "acco_sync": 1.03}  # step time / trainer_bf16's
+MEMORY_TOLERANCE = 0.02
+
+
+def model_config(tiny: bool) -> dict:
+    """~0.95B parameters (hidden 2048, 16 layers), or a tiny one for the plumbing on CPU."""
+    if tiny:
+        return dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+        )
+    return dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=2048,
+    )
+
+
+def run_method(method: str, args: argparse.Namespace) -> dict:
+    """One method's training run, in this process."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from hf_acco import ACCOConfig, ACCOTrainer
+    from hf_acco.tools.memory import engine_memory
+
+    cuda = args.device == "cuda"
+    seq = 64 if args.tiny else args.seq
+    config = LlamaConfig(**model_config(args.tiny), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    fp32 = method == "trainer_fp32_autocast"
+    model = LlamaForCausalLM(config).to(dtype=torch.float32 if fp32 else torch.bfloat16)
+    numel = sum(p.numel() for p in model.parameters())
+    rows = args.batch * args.micro_batches * (args.steps + 1)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (rows, seq), generator=g)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+    times: list[float] = []
+    memory: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):  # noqa: ANN001, ANN201
+            if cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):  # noqa: ANN001, ANN201
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+            if cuda and state.global_step == args.warmup:
+                memory["step_end_allocated"] = torch.cuda.memory_allocated()
+
+    acco = method.startswith("acco_")
+    settings = dict(
+        output_dir=tempfile.mkdtemp(prefix=f"gpu_check_{method}_"),
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.micro_batches,
+        learning_rate=1e-4,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=True,
+        use_cpu=not cuda,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    if acco:
+        settings["acco_schedule"] = method.removeprefix("acco_")
+    training_args = (ACCOConfig if acco else TrainingArguments)(**settings)
+    trainer = (ACCOTrainer if acco else Trainer)(
+        model=model, args=training_args, train_dataset=data, callbacks=[Clock()]
+    )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    copies = None
+    if cuda and acco:  # three steps after the warm-up under the profiler: the device-to-host copies they made
+        copies = _profile_copies(trainer, args)
+    else:
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    timed = times[args.warmup :] or times
+    step_s = statistics.median(timed)
+    out = {
+        "method": method,
+        "params": numel,
+        "step_s": step_s,
+        "steps_timed": len(timed),
+        "tokens_per_s": args.batch * args.micro_batches * seq / step_s,
+        "final_loss": losses[-1] if losses else None,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "step_end_allocated_bytes": memory.get("step_end_allocated"),
+        "device_to_host": copies,
+    }
+    if acco:
+        report = engine_memory(
+            numel,
+            1,
+            param_dtype=torch.bfloat16,
+            comm_dtype="auto",
+            schedule=settings["acco_schedule"],
+            ranks_per_node=1,
+        )
+        out["report_persistent_bytes"] = report.persistent_bytes
+    return out
+
+
+def _profile_copies(trainer, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """Train, with the profiler on for three steps after the warm-up; the device-to-host copies of those steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+    from transformers import TrainerCallback
+
+    prof = profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        schedule=schedule(wait=args.warmup, warmup=0, active=3, repeat=1),
+    )
+
+    class Step(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):  # noqa: ANN001, ANN201
+            prof.step()
+
+    trainer.add_callback(Step())
+    with prof:
+        trainer.train()
+    torch.cuda.synchronize()
+    events = [e for e in prof.events() if "Memcpy DtoH" in e.name or "Memcpy D2H" in e.name]
+    return {"count": len(events), "ms": sum(e.device_time_total for e in events) / 1e3, "steps": 3}
+
+
+def versions() -> dict:
+    import accelerate
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def gpu_tests(out_dir: Path) -> dict:
+    """The GPU tier (tests/test_gpu.py); its counts and the failures' names."""
+    report = out_dir / "gpu_tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", f"--junitxml={report}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(report).getroot().find("testsuite") if report.exists() else None
+    failed = []
+    if suite is not None:
+        for case in suite.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(case.get("name"))
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} if suite is not None else {}
+    return {"returncode": done.returncode, **counts, "failed": failed, "tail": done.stdout[-1500:]}
+
+
+def verdicts(runs: dict[str, dict]) -> dict:
+    base = runs.get("trainer_bf16")
+    out: dict = {}
+    for method, limit in LIMITS.items():
+        if base and method in runs:
+            ratio = runs[method]["step_s"] / base["step_s"]
+            out[f"{method}_vs_trainer_bf16"] = {"ratio": ratio, "limit": limit, "ok": ratio <= limit}
+    for method in ("acco_sync", "acco_acco"):
+        run = runs.get(method, {})
+        held, predicted = run.get("step_end_allocated_bytes"), run.get("report_persistent_bytes")
+        if held and predicted:
+            gap = abs(held - predicted) / held
+            out[f"{method}_memory"] = {"held": held, "report": predicted, "gap": gap, "ok": gap <= MEMORY_TOLERANCE}
+        copies = run.get("device_to_host")
+        if copies is not None:
+            out[f"{method}_device_to_host"] = {**copies, "ok": copies["count"] == 0}
+    return out
+
+
+def table(result: dict) -> str:
+    head = (
+        "| method | s/step (median) | tokens/s | peak allocated (GB) | at step end (GB) | report (GB) | final loss |"
+    )
+    rows = [head, "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def gb(n: float | None) -> str:
+        return "-" if n is None else f"{n / 1e9:.2f}"
+
+    for r in result["runs"].values():
+        rows.append(
+            f"| {r['method']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {gb(r['peak_allocated_bytes'])} "
+            f"| {gb(r['step_end_allocated_bytes'])} | {gb(r.get('report_persistent_bytes'))} "
+            f"| {r['final_loss']:.4f} |"
+        )
+    tests = result.get("gpu_tests")
+    if tests:
+        ran = tests.get("tests", 0)
+        passed = ran - tests.get("failures", 0) - tests.get("errors", 0) - tests.get("skipped", 0)
+        failed = f"; failed: {', '.join(tests['failed'])}" if tests["failed"] else ""
+        rows.append(f"\nGPU tier: {passed} of {ran} passed{failed}")
+    for name, v in result["verdicts"].items():
+        rows.append(f"- {name}: {'ok' if v['ok'] else 'NOT MET'} ({ {k: v[k] for k in v if k != 'ok'} })")
+    return "\n".join(rows)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/gpu_check.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default="benchmarks/results", help="folder of gpu_check_<gpu>.json")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (the plumbing, on CPU)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of the timing (and before the profile)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
+    p.add_argument("--micro_batches", type=int, default=4, help="gradient_accumulation_steps")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--skip_tests", action="store_true", help="leave the GPU test tier out")
+    p.add_argument("--run", choices=METHODS, help=argparse.SUPPRESS)  # one method, in a process of its own
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.run:
+        Path(args.result).write_text(json.dumps(run_method(args.run, args)))
+        return 0
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device here; on a CPU, --device cpu --tiny checks the plumbing", file=sys.stderr)
+            return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    command = "python benchmarks/gpu_check.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    settings = {k: v for k, v in vars(args).items() if k not in ("run", "result")}
+    result: dict = {"command": command, "settings": settings, **versions()}
+    if not args.skip_tests:
+        result["gpu_tests"] = gpu_tests(out_dir)
+    result["runs"], failed = {}, []
+    for method in args.methods:
+        with tempfile.TemporaryDirectory() as tmp:
+            file = Path(tmp) / "result.json"
+            cmd = [sys.executable, __file__, "--run", method, "--result", str(file), *(argv or sys.argv[1:])]
+            env = {**os.environ, "PYTHONPATH": str(ROOT)} | (
+                {"ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {}
+            )
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if done.returncode or not file.exists():
+                failed.append(method)
+                result["runs_failed"] = {**result.get("runs_failed", {}), method: done.stderr[-3000:]}
+                continue
+            result["runs"][method] = json.loads(file.read_text())
+    result["verdicts"] = verdicts(result["runs"])
+    result["wall_s"] = time.time() - started
+    name = "".join(c if c.isalnum() else "_" for c in result["gpu"].lower()).strip("_") or "device"
+    path = out_dir / f"gpu_check_{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    print(f"written: {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
