@@ -49,7 +49,7 @@ def test_4_bit_values_pair_up_two_a_byte_and_non_finite_blocks_stay_non_finite()
 def test_an_unsupported_width_is_refused() -> None:
     with pytest.raises(ValueError, match="values travel in 8 or 4 bits, got 2"):
         quant.pack(torch.zeros(1, 8), bits=2)
-    with pytest.raises(ValueError, match="a packed row of 256 elements in 4 bits has 132 bytes, got 260"):
+    with pytest.raises(ValueError, match="a packed row of 256 elements in 4 bits has 144 bytes, got 272"):
         quant.unpack(quant.pack(torch.zeros(1, 256)), 256, bits=4)
 
 
@@ -109,3 +109,21 @@ def test_a_block_of_values_below_float32s_range_of_inverses_stays_within_its_bou
     back = quant.unpack(quant.pack(x, bits=bits), 512, bits=bits)
     assert torch.isfinite(back).all() and back[0, 255] == 0
     assert torch.all((back - x).abs() <= quant.error_bound(x, bits=bits))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_rows_are_16_byte_aligned_and_their_padding_is_zeros(bits: int) -> None:
+    """At 16 ranks a bucket's chunk is rarely a multiple of 4 blocks: unpadded, rows of nb x 260 (int8) or nb x 132
+    (int4) bytes start off 16-byte boundaries. Padded, every row starts on one, with the same values and scales."""
+    for n in (1, 255, 257, 3 * 256, 5 * 256 + 3, 7 * 256):
+        nb = quant.num_blocks(n)
+        assert quant.packed_numel(n, bits) % 16 == 0
+        assert 0 <= quant.packed_numel(n, bits) - nb * (256 * bits // 8 + 4) < 16
+        rows = torch.randn(3, n, generator=torch.Generator().manual_seed(n))
+        packed = quant.pack(rows, bits=bits)
+        used = nb * (256 * bits // 8 + 4)
+        assert not packed[:, used:].any()  # the padding: zeros, the same bytes on every rank
+        assert all(packed[i].data_ptr() % 16 == 0 for i in range(3))
+        back = quant.unpack(packed, n, bits=bits)
+        step = rows.abs().max() / (127 if bits == 8 else 7)
+        assert (back - rows).abs().max() <= step / 2 * 1.001

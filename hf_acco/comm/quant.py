@@ -11,7 +11,10 @@ after the wire and the round's non-finite policy still sees it.
 A packed row is the row's values, padded to whole blocks, followed by its blocks' scales as bytes: one int8
 tensor per destination, so one collective moves values and scales together. 8 bits: a value a byte, 1 + 4 /
 ``BLOCK`` bytes an element (about a quarter of float32's 4); 4 bits: two values a byte (element 2i in the low
-nibble, 2i + 1 in the high one, each as q + 8), 0.5 + 4 / ``BLOCK`` bytes an element.
+nibble, 2i + 1 in the high one, each as q + 8), 0.5 + 4 / ``BLOCK`` bytes an element. Each row is padded with
+zeros to a multiple of ``ROW_ALIGN`` bytes, so that every row of a (rows, bytes) tensor starts 16-byte aligned, as
+NCCL's and the device's vectorised copies want it (unpadded, a row of ``nb`` blocks is ``nb`` x 260 bytes in int8
+and ``nb`` x 132 in int4: 16-byte aligned only when ``nb`` is a multiple of 4).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ BLOCK = 256  # elements per scale: 1.6 % of the int8 bytes go to scales (3 % of 
 BITS = (8, 4)  # the widths a value can travel in
 QMAX = 127  # 8 bits, symmetric: -127..127 (-128 unused, so that q and -q are both representable)
 QMAX4 = 7  # 4 bits: -7..7, sent as q + 8 (1..15) in a nibble
+ROW_ALIGN = 16  # bytes: every packed row's length is a multiple of it
 TINY = 2.0**-120  # the smallest absmax a block is scaled by (127 / TINY is below float32's largest, 3.4e38)
 
 
@@ -36,9 +40,11 @@ def _qmax(bits: int) -> int:
 
 
 def packed_numel(numel: int, bits: int = 8) -> int:
-    """Bytes of one packed row of ``numel`` elements: values padded to whole blocks, then a float32 scale each."""
+    """Bytes of one packed row of ``numel`` elements: values padded to whole blocks, then a float32 scale each, then
+    zeros to a multiple of ``ROW_ALIGN``."""
     _qmax(bits)
-    return num_blocks(numel) * (BLOCK * bits // 8 + 4)
+    used = num_blocks(numel) * (BLOCK * bits // 8 + 4)
+    return -(-used // ROW_ALIGN) * ROW_ALIGN
 
 
 def _absmax(blocks: torch.Tensor) -> torch.Tensor:
@@ -69,7 +75,8 @@ def pack(rows: torch.Tensor, out: torch.Tensor | None = None, bits: int = 8) -> 
             out[i, :values].view(torch.uint8).view(nb, BLOCK // 2).copy_(q)
         else:
             out[i, :values].view(nb, BLOCK).copy_(q)
-        out[i, values:].view(torch.float32).copy_(span / qmax)
+        out[i, values : values + 4 * nb].view(torch.float32).copy_(span / qmax)
+        out[i, values + 4 * nb :].zero_()  # the row's alignment padding: the same bytes on every rank, every time
     return out
 
 
@@ -79,7 +86,7 @@ def _parts(packed: torch.Tensor, n: int, bits: int) -> tuple[torch.Tensor, torch
     if packed.shape[-1] != expected:
         raise ValueError(f"a packed row of {n} elements in {bits} bits has {expected} bytes, got {packed.shape[-1]}")
     r, values = packed.shape[0], nb * BLOCK * bits // 8
-    return packed[:, :values].view(r, nb, -1), packed[:, values:].view(torch.float32)
+    return packed[:, :values].view(r, nb, -1), packed[:, values : values + 4 * nb].view(torch.float32)
 
 
 def _dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int) -> torch.Tensor:
