@@ -310,6 +310,9 @@ def cuda_save_state_memory(rank: int, world_size: int, directory: str) -> dict:
         with accelerator.accumulate(model):
             accelerator.backward(model(**{k: v.cuda() for k, v in batch(0, i).items()}).loss)
             optimizer.step()
+    # the last step's commit round runs on (its thread, its stream): wait for it, so that what is measured is the
+    # save's alone (the round's own optimizer step allocates its temporaries, about a model's worth at one rank)
+    optimizer.optimizer.synchronize()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -325,3 +328,36 @@ def test_cuda_save_state_makes_no_device_copy_of_the_model(tmp_path) -> None:
         cuda_save_state_memory, world_size=1, backend=None, start_method="spawn", timeout=300, directory=str(tmp_path)
     )[0]
     assert got["grew"] < got["model"] // 2, got  # the committed weights are copied to the host, not on the GPU
+
+
+def cuda_trainer(rank: int, world_size: int, argv: list[str]) -> dict:
+    from .scripts import trainer_script
+
+    return trainer_script.main(argv)
+
+
+def _trainer_on_gpu(out, **options) -> dict:
+    """tests/scripts/trainer_script.py on the GPU, one rank (full_determinism: deterministic CUDA kernels)."""
+    import json
+
+    extra = {"use_cpu": not torch.cuda.is_available(), "full_determinism": True, **options.pop("extra", {})}
+    argv = ["--output_dir", str(out), "--acco", "--extra", json.dumps(extra)]
+    for key, value in options.items():
+        argv += [f"--{key}", str(value)]
+    return run_ranks(cuda_trainer, world_size=1, backend=None, start_method="spawn", timeout=300, argv=argv)[0]
+
+
+@pytest.mark.parametrize("schedule", ["acco", "sync"])
+def test_cuda_acco_trainer_trains_saves_and_resumes_bit_identically(tmp_path, schedule: str) -> None:
+    """ACCOTrainer on the GPU (NCCL, the round's stream): 12 steps with a checkpoint at step 6, then a second run
+    from that checkpoint; the resumed run ends where the uninterrupted one ends, bit for bit, losses included."""
+    straight = _trainer_on_gpu(tmp_path / "straight", save_steps=6, extra={"acco_schedule": schedule})
+    resumed = _trainer_on_gpu(
+        tmp_path / "resumed", resume=tmp_path / "straight" / "checkpoint-6", extra={"acco_schedule": schedule}
+    )
+    losses = [[h["loss"] for h in r["log_history"] if "loss" in h] for r in (straight, resumed)]
+    assert len(losses[0]) == 12 and losses[1] == losses[0], losses  # (the first 6 restored from the checkpoint)
+    assert all(p.device.type == "cpu" for p in straight["params"].values())  # (handed back from the GPU)
+    assert all(torch.equal(straight["params"][n], resumed["params"][n]) for n in straight["params"]), "resume moved"
+    assert straight["acco_totals"]["steps"] == 12
+    assert resumed["log_history"][-2]["acco_optimizer_steps"] == 12  # (the last entry is the run's summary)

@@ -8,6 +8,7 @@ the step is taken: DDP averages over every rank, and AdamW's momentum and weight
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,52 @@ def test_the_optimizer_state_dict_has_torchs_keys(tmp_path: Path) -> None:
     assert {"state", "param_groups", "master", "optim_state"} <= set(got["keys"])
     assert got["groups"][0]["lr"] == 1.0
     assert sorted(i for g in got["groups"] for i in g["params"]) == list(range(got["trainable"]))
+
+
+def _host_reads(rank: int, world_size: int, argv: list[str]) -> dict:
+    """Every tensor read on the host (``.item()``, ``float()``: aten._local_scalar_dense, a device sync on a GPU)
+    inside ACCOTrainer's training_step, outside the model's forward (the model's own: transformers' mask code reads
+    one), per micro-batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_acco import ACCOTrainer
+
+    reads: list[int] = []
+    in_model = [False]
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func is torch.ops.aten._local_scalar_dense.default and not in_model[0]:
+                reads[-1] += 1
+            return func(*args, **(kwargs or {}))
+
+    original = ACCOTrainer.training_step
+
+    def counted(self, model, *args, **kwargs):  # noqa: ANN001, ANN202
+        if not reads:
+            model.register_forward_pre_hook(lambda *a: in_model.__setitem__(0, True))
+            model.register_forward_hook(lambda *a: in_model.__setitem__(0, False))
+        reads.append(0)
+        with Reads():
+            return original(self, model, *args, **kwargs)
+
+    ACCOTrainer.training_step = counted
+    try:
+        trainer_script.main(argv)
+    finally:
+        ACCOTrainer.training_step = original
+    return {"reads": reads}
+
+
+@pytest.mark.parametrize("schedule", ["acco", "sync"])
+def test_token_counting_reads_the_device_once_per_half_not_per_micro_batch(tmp_path: Path, schedule: str) -> None:
+    """Trainer's token counts (num_items_in_batch, the labels) stay where the batch is: the engine reads a half's
+    weight once, when the half ends, not twice per micro-batch. In a micro-batch that is acco's A->B boundary
+    (the 2nd of 4) that is one read; the step's end (the B->A boundary) comes with Trainer's optimizer.step()."""
+    from hf_acco.tools.multiprocess import run_ranks
+
+    extra = json.dumps({"acco_schedule": schedule, "gradient_accumulation_steps": 4})
+    argv = ["--output_dir", str(tmp_path), "--acco", "--max_steps", "3", "--extra", extra]
+    got = run_ranks(_host_reads, world_size=2, backend=None, argv=argv, timeout=180)[0]["reads"]
+    boundary = [0, 1, 0, 0] if schedule == "acco" else [0, 0, 0, 0]
+    assert got == boundary * 3, got

@@ -239,7 +239,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
 
     def _restart_step(self) -> None:
         """An optimizer step starts with nothing counted, in the schedule's first phase."""
-        self._half_count, self._half_weight = 0, 0.0  # micro-batches and their weight in this half (this rank)
+        self._half_count = 0  # micro-batches and their weight in this half (this rank)
+        self._half_weight: float | torch.Tensor = 0.0
         self._step_counts: list[tuple[int, float]] = []  # (micro-batches, weight) of finished halves of this step
         self.buffers.hook_calls = 0
         self.buffers.clear_touched()
@@ -259,7 +260,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
 
     # ---- the user's loop ----------------------------------------------------------------------------------
 
-    def after_backward(self, weight: float = 1.0) -> None:
+    def after_backward(self, weight: float | torch.Tensor = 1.0) -> None:
         """Count one micro-batch whose gradients were just accumulated; may cross the A→B boundary.
 
         ``weight`` is what the gradient is averaged by: 1 when the loss is a mean over the micro-batch
@@ -271,7 +272,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             self.buffers.check_devices()
         self.halves.micro_batch_ended()
         self._half_count += 1
-        self._half_weight += float(weight)
+        # a weight on the device (Trainer's token counts) stays there: read once per half (_finish_half)
+        self._half_weight = self._half_weight + (weight if torch.is_tensor(weight) else float(weight))
         if self.phase is Phase.ESTIMATE and self._half_done():
             self._boundary_estimate_to_correction()
         if self.auto_step and self.ready_to_step():
@@ -419,7 +421,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.halves.micro_batch_started()
 
     def _finish_half(self) -> None:
-        self._step_counts.append((self._half_count, self._half_weight))
+        self._step_counts.append((self._half_count, float(self._half_weight)))
         self._half_count, self._half_weight = 0, 0.0
 
     def _launch(self, kind: RoundKind, weight: float, micro_batches: int, swap: bool, capture: bool = False) -> None:

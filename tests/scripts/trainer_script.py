@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_model(os.path.join(args.output_dir, "final"))
     result = {
         "log_history": trainer.state.log_history,
-        "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "params": {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()},
         "world_size": trainer.accelerator.num_processes,
         "logged_keys": sorted(log_keys.keys),
         "acco_totals": dict(trainer.acco.totals) if getattr(trainer, "acco", None) else None,

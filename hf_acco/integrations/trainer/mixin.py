@@ -175,7 +175,7 @@ class ACCOTrainerMixin(_TrainerBase):
 
     def _micro_batch(
         self, model: torch.nn.Module, inputs: Any, window_items: Any, items: Any, share: float
-    ) -> tuple[torch.Tensor, float, float]:
+    ) -> tuple[torch.Tensor, float | torch.Tensor, float]:
         """Trainer's forward and backward of one micro-batch, its gradient scaled and weighted for the engine:
         (loss, weight, gradient scale)."""
         weight, scale = weights.micro_batch_weight(self, inputs, window_items, share, self._paced)  # before the pop
@@ -195,7 +195,8 @@ class ACCOTrainerMixin(_TrainerBase):
             num_items = self._get_num_items_in_batch([inputs], self.args.device)  # this micro-batch's alone
             if torch.is_tensor(num_items) and int(num_items) == 0:  # all labels masked: weight 0, zero gradient
                 num_items = torch.ones_like(num_items)  # (not a division by zero on this rank alone)
-            loss, weight, _ = self._micro_batch(model, inputs, num_items, num_items, 1.0)
+            loss, counted, _ = self._micro_batch(model, inputs, num_items, num_items, 1.0)
+            weight = float(counted)  # paced weights are host floats: each micro-batch is its own window
             scaled = weights.loss_is_scaled(self, num_items)
             mean = loss if scaled else loss * self.current_gradient_accumulation_steps
             loss_sum += mean.detach() * weight
@@ -222,7 +223,7 @@ class ACCOTrainerMixin(_TrainerBase):
     def _paced(self) -> bool:
         return self.acco is not None and self.acco.accumulation is Accumulation.PACED
 
-    def count_label_tokens(self, inputs: dict[str, Any]) -> float:
+    def count_label_tokens(self, inputs: dict[str, Any]) -> float | torch.Tensor:
         """The number of tokens a micro-batch's summed loss adds up: the weight its gradient gets. Override it for a
         loss that counts otherwise. Default, as Trainer counts ``num_items_in_batch``: ``weights.label_tokens``.
         Padding-free batches (sequences packed into one row) need nothing more: their collators mark the first

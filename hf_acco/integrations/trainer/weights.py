@@ -27,7 +27,7 @@ def micro_batch_weight(
     num_items_in_batch: torch.Tensor | int | None,
     share: float,
     paced: bool,
-) -> tuple[float, float]:
+) -> tuple[float | torch.Tensor, float]:
     """(weight, gradient scale) that undo Trainer's normalisation of this micro-batch's loss.
 
     Trainer divides a token-summed loss by the window's token count ``num_items_in_batch`` (times the number
@@ -53,26 +53,33 @@ def micro_batch_weight(
         return share / trainer.current_gradient_accumulation_steps, share
     if num_items_in_batch is None:
         return 1.0, 1.0
-    if float(num_items_in_batch) == 0:
-        return share / trainer.current_gradient_accumulation_steps, share
-    tokens = trainer.count_label_tokens(inputs)
-    factor = 1.0
+    processes = 1.0
     if trainer.args.average_tokens_across_devices and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func):
-        factor = float(trainer.accelerator.num_processes // trainer.get_tp_size())
-    factor /= float(num_items_in_batch)
+        processes = float(trainer.accelerator.num_processes // trainer.get_tp_size())
+    empty = share / trainer.current_gradient_accumulation_steps
+    tokens = trainer.count_label_tokens(inputs)
+    if not paced and torch.is_tensor(num_items_in_batch):
+        # Trainer's counts are on the device: the weight stays there (float64, as the host's floats), read by the
+        # engine once per half, not here (two host synchronisations per micro-batch)
+        items = num_items_in_batch.to(torch.float64)
+        weight = torch.as_tensor(tokens, dtype=torch.float64, device=items.device) * (processes / items.clamp(min=1))
+        return torch.where(items == 0, torch.full_like(weight, empty), weight), share
+    if float(num_items_in_batch) == 0:
+        return empty, share
+    factor = processes / float(num_items_in_batch)
     if paced:
-        return tokens, 1.0 / factor
-    return tokens * factor, share
+        return float(tokens), 1.0 / factor
+    return float(tokens) * factor, share
 
 
-def label_tokens(inputs: dict[str, Any], shifts_labels: bool) -> float:
+def label_tokens(inputs: dict[str, Any], shifts_labels: bool) -> torch.Tensor:
     """Labels other than -100 in ``shift_labels`` when the batch has them, else in ``labels`` after the shift the
     model's loss applies (causal LMs drop the first label): what Trainer counts as ``num_items_in_batch``."""
     if "shift_labels" in inputs:
         labels = inputs["shift_labels"]
     else:
         labels = inputs["labels"][..., 1:] if shifts_labels else inputs["labels"]
-    return float(labels.ne(-100).sum())
+    return labels.ne(-100).sum()  # where the labels are (read on the host only when the caller needs it)
 
 
 def input_tokens(trainer: ACCOTrainerMixin, inputs: dict[str, Any]) -> float:
