@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from hf_acco.tools import gpu_results
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "recipes" / "results"
 BLOCK = re.compile(r"(<!-- rendered: ([\w-]+) -->\n)(.*?)(<!-- /rendered -->)", re.S)
@@ -378,6 +380,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "beside-bisect": lambda: beside_table("bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")),
     "beside-landing": lambda: beside_table("landing_2026-12-03", ("691166d", "cdb2a70")),
     "lifecycle": lifecycle_table,
+    "gpu-status": gpu_results.status,
+    "gpu-check": gpu_results.check_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),

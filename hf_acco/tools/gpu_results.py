@@ -1,0 +1,82 @@
+"""`make gpu-check`'s results (benchmarks/results/gpu_check_<gpu>.json and the GPU tier's gpu_tests_<gpu>.xml),
+rendered for README.md and docs/benchmarks.md by ``python -m hf_acco.tools.docs``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GPU_RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _gpu_tier(gpu: str) -> tuple[int, int, list[str]]:
+    """(passed, ran, failed names) of ``benchmarks/results/gpu_tests_<gpu>.xml`` (the GPU tier's JUnit report)."""
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(GPU_RESULTS / f"gpu_tests_{gpu}.xml").getroot().find("testsuite")
+    assert suite is not None
+    failed = [
+        c.get("name", "")
+        for c in suite.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
+    ran = int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
+    return ran - len(failed), ran, failed
+
+
+def status(gpu: str = "nvidia_h200") -> str:
+    """The README's status line for a GPU, from ``make gpu-check``'s files in benchmarks/results/."""
+    result = json.loads((GPU_RESULTS / f"gpu_check_{gpu}.json").read_text())
+    passed, ran, failed = _gpu_tier(gpu)
+    runs, v = result["runs"], result["verdicts"]
+    base = runs["trainer_bf16"]
+    params = base["params"] / 1e9
+    s = result["settings"]
+    return (
+        f"On one {result['gpu']} (torch {result['torch']}, CUDA {result['cuda']}, transformers "
+        f"{result['transformers']}, one NCCL rank): the GPU test tier, {passed} of {ran} tests passed"
+        + (f" (failed: {', '.join(f'`{n}`' for n in failed)})" if failed else "")
+        + f". `ACCOTrainer` on a {params:.2f}B-parameter Llama (bf16 weights, sequences of {s['seq']}, "
+        f"{s['micro_batches']} micro-batches of {s['batch']} per step): a step took "
+        f"{v['acco_acco_vs_trainer_bf16']['ratio']:.2f}x (`acco`) and {v['acco_sync_vs_trainer_bf16']['ratio']:.2f}x "
+        f"(`sync`) `Trainer`'s pure-bf16 step ({base['step_s']:.3f} s), the same loss; the memory held at a step "
+        f"end was within {100 * v['acco_acco_memory']['gap']:.1f} % of `python -m hf_acco.memory`'s figure.\n"
+    )
+
+
+def check_table(gpu: str = "nvidia_h200") -> str:
+    """``make gpu-check``'s table (benchmarks/gpu_check.py), with its GPU time per step by kernel family."""
+    result = json.loads((GPU_RESULTS / f"gpu_check_{gpu}.json").read_text())
+    out = [
+        f"`{result['command']}` on {result['gpu']} (torch {result['torch']}, transformers {result['transformers']}):",
+        "",
+        "| method | s/step (median) | tokens/s | GPU busy ms/step | peak allocated (GB) | at step end (GB) "
+        "| report (GB) | device-to-host copies / step (bytes) | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["runs"].values():
+        d = r["device_to_host"] or {}
+        report = r.get("report_persistent_bytes")
+        out.append(
+            f"| {r['method']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {d.get('kernel_ms_per_step', 0):.0f} "
+            f"| {r['peak_allocated_bytes'] / 1e9:.2f} | {r['step_end_allocated_bytes'] / 1e9:.2f} "
+            f"| {'-' if report is None else f'{report / 1e9:.2f}'} "
+            f"| {d.get('count', 0) / d.get('steps', 1):.1f} ({d.get('bytes', 0) / d.get('steps', 1):.0f}) "
+            f"| {r['final_loss']:.4f} |"
+        )
+    passed, ran, failed = _gpu_tier(gpu)
+    out.append(
+        f"\nGPU tier (`gpu_tests_{gpu}.xml`): {passed} of {ran} passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    out.append("")
+    for name, v in result["verdicts"].items():
+        shown = {
+            k: (round(x, 4) if isinstance(x, float) else x)
+            for k, x in v.items()
+            if k in ("ratio", "limit", "gap", "count_over_64_bytes", "trainer_bf16_count", "count")
+        }
+        out.append(f"- {name}: {'met' if v['ok'] else 'NOT MET'} {shown}")
+    return "\n".join(out) + "\n"
