@@ -98,7 +98,9 @@ def eval_at(rank: int, world_size: int, where: str) -> dict:
     evaluated = clones(model)
     opt.train()
     restored = all(torch.equal(a, p) for a, p in zip(held, model.parameters()))
-    accum_zero = where == "mid-step" or not opt.buffers.accum.any()
+    # accum is back to gradients: no view counts as holding sums (what it still holds is overwritten by the next
+    # gradients, or zeroed before a round reads it)
+    accum_zero = where == "mid-step" or (not any(opt.buffers.written) and opt.buffers.stale)
     start = 1 if where == "mid-step" else 0
     for i in range(start, 4):
         mean_loss(model, batch(rank, 12 + i))[0].backward()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -162,3 +164,48 @@ def _replaced_parameters(rank: int, world_size: int) -> str:
 
 def test_replaced_parameters_are_detected() -> None:
     assert "No gradient reached the ACCO optimizer" in run_ranks(_replaced_parameters)[0]
+
+
+def _accumulation_ops(rank: int, world_size: int, schedule: str) -> dict:
+    """The operations the main thread runs on the accumulation buffer in steady steps: in the gradient hooks and
+    at the step boundaries (the round's thread is not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny_llama()
+    opt = ACCOOptimizer(model.parameters(), lr=1e-2, micro_batches=4, schedule=schedule)
+    big = opt.layout.numel // 4  # larger than any one parameter: a pass over the whole buffer
+    ops: list[tuple[str, int]] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if first is not None and first.dtype == torch.float32 and func.__name__.split(".")[0] in ACCUMULATION:
+                ops.append((func.__name__.split(".")[0], first.numel()))
+            return out
+
+    for t in range(4):
+        with Ops() if t >= 2 else contextlib.nullcontext():  # steady steps: the moments exist, rounds run
+            for i in range(4):
+                mean_loss(model, batch(rank, 4 * t + i))[0].backward()
+                opt.after_backward()
+            opt.step()
+    opt.synchronize()
+    params = len(list(model.parameters()))
+    opt.close()
+    return {"ops": ops, "params": params, "big": big}
+
+
+ACCUMULATION = ("add_", "copy_", "zero_")
+
+
+@pytest.mark.parametrize("schedule", ["acco", "sync"])
+def test_a_steps_first_gradient_is_written_over_the_sums_no_zeroing_pass(schedule: str) -> None:
+    """Between steps nothing zeroes the accumulation buffer: each parameter's first gradient of a step is copied
+    over its view (read 2 bytes, write 4, instead of zeroing 4 then adding 6 + 4); the other three are added."""
+    r = run_ranks(_accumulation_ops, schedule=schedule)[0]
+    ops, params = r["ops"], r["params"]
+    hooks = [(name, n) for name, n in ops if n < r["big"]]
+    assert not [op for op in ops if op[0] == "zero_" and op[1] >= r["big"]], ops  # no pass over the buffer
+    assert sum(name == "copy_" for name, _ in hooks) == 2 * params  # one per parameter and step (2 steps)
+    assert sum(name == "add_" for name, _ in hooks) == 2 * 3 * params

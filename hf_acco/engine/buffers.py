@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -151,6 +151,11 @@ class BufferPair:
         # which parameters received a gradient since the step began (by index): a round tells its owners, so that
         # a parameter no rank gave a gradient is left out of the update, as torch's optimizers leave out grad None
         self.touched = bytearray(len(self.params))
+        # which views of ``accum`` hold sums of the current accumulation; a parameter's first gradient is written
+        # over its view (no zeroing pass over the buffer between steps: ``release_accum``), and ``stale`` says that
+        # the views nothing was written into (and the padding) may hold other values until ``hand_over`` zeroes them
+        self.written = bytearray(len(self.params))
+        self.stale = False
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.evaluating = False  # the engine is in eval mode: no gradient may come in (``accum`` may hold parameters)
         self.eval_backup: torch.Tensor | None = None  # in eval mode, what the model held if it was not θ
@@ -233,13 +238,19 @@ class BufferPair:
                 "leave committed_parameters()) before training."
             )
         # (p.grad is set: a post-accumulate-grad hook runs after autograd has written it)
-        if self.grad_scale == 1.0:
-            self.grad_views[id(p)].add_(p.grad)  # type: ignore[arg-type]
-        else:
-            self.grad_views[id(p)].add_(p.grad, alpha=self.grad_scale)  # type: ignore[arg-type]
+        i, view, grad = self._index[id(p)], self.grad_views[id(p)], cast(torch.Tensor, p.grad)
+        if self.written[i] and self.grad_scale == 1.0:
+            view.add_(grad)
+        elif self.written[i]:
+            view.add_(grad, alpha=self.grad_scale)
+        else:  # the first of this accumulation: written over the view (0 + g is g), read no sum
+            view.copy_(grad)
+            if self.grad_scale != 1.0:
+                view.mul_(self.grad_scale)  # in the sums' dtype, as add_(grad, alpha) computes it
+            self.written[i] = 1
         p.grad = None
         self.hook_calls += 1
-        self.touched[self._index[id(p)]] = 1
+        self.touched[i] = 1
 
     def take_touched(self, reset: bool) -> list[float]:
         """Which parameters received a gradient since the step began (1.0 / 0.0, for the round's count all-reduce);
@@ -257,6 +268,7 @@ class BufferPair:
 
         ``swap``: the step's sums go (accumulation restarts from zero); else half B goes on accumulating on top of
         them. Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
+        self._zero_unwritten()
         if self.separate:
             if swap and self.swappable:  # the round takes the sums; the main thread restarts from the old buffer
                 self.wire, self.accum = self.accum, self.wire
@@ -265,15 +277,28 @@ class BufferPair:
                 self.grads_of(self.wire).copy_(self.accum)
         return self.wire
 
+    def _zero_unwritten(self) -> None:
+        """``accum`` holds exactly the sums: zero where no gradient was written since ``release_accum`` (a parameter
+        without a gradient in this accumulation, and the padding). Invariant: a round, or anything else that reads
+        ``accum`` as sums, comes after this."""
+        if not self.stale:
+            return
+        views = self.grad_views
+        for i, p in enumerate(self.params):
+            if not self.written[i]:
+                views[id(p)].zero_()
+        self.accum[self.layout.numel :].zero_()
+        self.stale = False
+
     def restart(self, swap: bool) -> None:
         """After a swap, accumulation restarts from zero in the buffer the previous round gave back."""
         if swap and self.separate:
-            self.accum.zero_()
+            self.release_accum()
 
     def round_returned(self) -> None:
         """The round's output has been read: with one buffer, it goes back to accumulating gradients."""
         if not self.separate:
-            self.accum.zero_()
+            self.release_accum()
 
     @torch.no_grad()
     def load_into_model(self, flat: torch.Tensor) -> None:
@@ -286,12 +311,13 @@ class BufferPair:
     def initial_shard(self, comm: Any, rank: int) -> torch.Tensor:
         """This rank's fp32 shard of the model's parameters (staged in ``accum``, which is zero again after). With
         a communicator, rank 0's parameters are broadcast first and loaded into every rank's model."""
+        self._zero_unwritten()  # the padding too: it goes into the master shard
         flat = self.model_to(self.accum)  # exact: the model's dtype is no wider than the sums'
         if comm is not None:
             comm.broadcast(flat)  # identical initial parameters on every rank
             self.load_into_model(flat)
         shard = self.layout.shard_of(flat, rank).to(torch.float32)
-        flat.zero_()
+        self.release_accum()
         return shard
 
     def enter_eval(self, commit_pending: bool, at_boundary: bool) -> None:
@@ -321,8 +347,10 @@ class BufferPair:
         return self.model_to(self.accum)
 
     def release_accum(self) -> None:
-        """``accum`` back to gradients: zero again."""
-        self.accum.zero_()
+        """``accum`` back to gradients, zero as far as they are concerned: each parameter's next gradient is written
+        over its view, and what nothing overwrites is zeroed before a round reads the sums (``_zero_unwritten``)."""
+        self.written[:] = bytes(len(self.written))
+        self.stale = True
 
     def model_to_host(self) -> torch.Tensor:
         """The model's current parameters, flattened into a new host buffer in their dtype (pinned on a GPU)."""

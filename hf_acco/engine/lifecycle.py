@@ -107,7 +107,7 @@ class EngineLifecycle:
             self.buffers.load_round_output()
         self.rounds.drop()
         self._model_moved, self._boundary.pending = False, False  # the model holds θ: a boundary, nothing pending
-        self.buffers.accum.zero_()
+        self.buffers.release_accum()
         self._restart_step()
 
     def close(self) -> None:

@@ -178,7 +178,7 @@ class BoundaryState:
         put_own_pieces(self.layout, staging, model_shard, self.comm.rank)
         self.comm.all_gather(self.layout, None, staging)
         buffers.load_into_model(staging)
-        staging.zero_()
+        buffers.release_accum()
         if self.copy is not None:  # the model may move at the next A→B boundary: keep its state here
             self.copy.copy_(model_shard)
             self.captured = True

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_acco.tools import gpu_results
+from hf_acco.tools import results_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "recipes" / "results"
@@ -380,8 +380,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "beside-bisect": lambda: beside_table("bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")),
     "beside-landing": lambda: beside_table("landing_2026-12-03", ("691166d", "cdb2a70")),
     "lifecycle": lifecycle_table,
-    "gpu-status": gpu_results.status,
-    "gpu-check": gpu_results.check_table,
+    "gpu-status": results_docs.gpu_status,
+    "gpu-check": results_docs.gpu_check_table,
+    "engine-traffic": results_docs.traffic_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),

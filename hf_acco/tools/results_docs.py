@@ -1,5 +1,6 @@
-"""`make gpu-check`'s results (benchmarks/results/gpu_check_<gpu>.json and the GPU tier's gpu_tests_<gpu>.xml),
-rendered for README.md and docs/benchmarks.md by ``python -m hf_acco.tools.docs``."""
+"""Results rendered for README.md and docs/benchmarks.md by ``python -m hf_acco.tools.docs``: `make gpu-check`'s
+(benchmarks/results/gpu_check_<gpu>.json and the GPU tier's gpu_tests_<gpu>.xml) and the engine's memory traffic
+(``benchmarks/engine_traffic.py``, recipes/results/engine/traffic/)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _gpu_tier(gpu: str) -> tuple[int, int, list[str]]:
     return ran - len(failed), ran, failed
 
 
-def status(gpu: str = "nvidia_h200") -> str:
+def gpu_status(gpu: str = "nvidia_h200") -> str:
     """The README's status line for a GPU, from ``make gpu-check``'s files in benchmarks/results/."""
     result = json.loads((GPU_RESULTS / f"gpu_check_{gpu}.json").read_text())
     passed, ran, failed = _gpu_tier(gpu)
@@ -46,7 +47,7 @@ def status(gpu: str = "nvidia_h200") -> str:
     )
 
 
-def check_table(gpu: str = "nvidia_h200") -> str:
+def gpu_check_table(gpu: str = "nvidia_h200") -> str:
     """``make gpu-check``'s table (benchmarks/gpu_check.py), with its GPU time per step by kernel family."""
     result = json.loads((GPU_RESULTS / f"gpu_check_{gpu}.json").read_text())
     out = [
@@ -79,4 +80,32 @@ def check_table(gpu: str = "nvidia_h200") -> str:
             if k in ("ratio", "limit", "gap", "count_over_64_bytes", "trainer_bf16_count", "count")
         }
         out.append(f"- {name}: {'met' if v['ok'] else 'NOT MET'} {shown}")
+    return "\n".join(out) + "\n"
+
+
+def traffic_table(folder: str = "recipes/results/engine/traffic") -> str:
+    """``benchmarks/engine_traffic.py``: bytes per parameter and step by phase, beside the ZeRO-1 minimum, and
+    what the latest code spends above it, by operation."""
+    result = json.loads((ROOT / folder / "traffic.json").read_text())
+    phases = ("hooks", "boundaries", "rounds")
+    out = [
+        f"`{result['command']}` ({result['settings']['world_size']} gloo ranks, "
+        f"{result['settings']['micro_batches']} micro-batches per step, a bf16 model), bytes per parameter and step:",
+        "",
+        "| code | schedule | gradient hooks | step boundaries | rounds | engine total | ZeRO-1 minimum "
+        "| total / minimum |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["runs"]:
+        b, least = r["bytes_per_param_step"], r["zero1_minimum"]
+        total = sum(b[p] for p in phases)
+        out.append(
+            f"| {r['code']} | {r['schedule']} | {b['hooks']:.1f} | {b['boundaries']:.1f} | {b['rounds']:.1f} "
+            f"| {total:.1f} | {least['total']:.1f} | {total / least['total']:.2f}x |"
+        )
+    out += ["", "The latest code's operations, bytes per parameter and step:", ""]
+    for r in result["runs"][-2:]:
+        for phase in phases:
+            ops = ", ".join(f"`{k}` {v:.1f}" for k, v in r["ops"][phase].items() if v >= 0.05)
+            out.append(f"- {r['schedule']}, {phase}: {ops}")
     return "\n".join(out) + "\n"
