@@ -96,9 +96,11 @@ class Traffic:
         self.active = threading.local()
 
     @contextlib.contextmanager
-    def phase(self, phase: str):  # noqa: ANN201
-        """Count this thread's operations under ``phase`` inside; an inner phase (a collective inside a round)
-        takes over until it ends. The outermost one enters the dispatch mode."""
+    def phase(self, phase: str, counting: bool | None = None):  # noqa: ANN201
+        """Count this thread's operations under ``phase`` inside (when ``counting``: by default, whether the
+        steady steps are being measured now; a round passes what held when it was launched, so that each round
+        is counted whole or not at all); an inner phase (a collective inside a round) takes over until it ends.
+        The outermost one enters the dispatch mode."""
         from torch.utils._python_dispatch import TorchDispatchMode
 
         outer = getattr(self.active, "phase", None)
@@ -115,7 +117,7 @@ class Traffic:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
-                if traffic.measuring and not func.is_view and func.namespace == "aten":
+                if traffic.active.counting and not func.is_view and func.namespace == "aten":
                     read, written = op_bytes(func, args, kwargs, out)
                     now = traffic.active.phase
                     with traffic.lock:
@@ -123,6 +125,7 @@ class Traffic:
                         traffic.ops[now][func._schema.name.split("::")[-1]] += read + written
                 return out
 
+        self.active.counting = self.measuring if counting is None else counting
         try:
             with Mode():
                 yield
@@ -152,8 +155,10 @@ def patch(traffic: Traffic) -> None:
     launch = RoundRunner.launch
 
     def counted_launch(self, fn):  # noqa: ANN001, ANN202  # all the round's thread does (the boundary copy too)
+        counting = traffic.measuring  # launched in a measured step: counted whole, whenever it runs
+
         def run():  # noqa: ANN202
-            with traffic.phase("rounds"):
+            with traffic.phase("rounds", counting):
                 return fn()
 
         return launch(self, run)
