@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.result).write_text(json.dumps(run_here(json.loads(args.one))))
         return 0
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_acco"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()  # fmt: skip
     trees: list[tuple[str, Path]] = [(head.stdout.strip() + (" + changes" if dirty else ""), ROOT)]
     with contextlib.ExitStack() as stack:
