@@ -408,3 +408,47 @@ def test_error_feedback_keeps_the_sum_over_rounds_within_one_rounding() -> None:
 def test_error_feedback_needs_int8_gradients() -> None:
     with pytest.raises(ValueError, match="error_feedback carries the rounding of int8 gradients"):
         ACCOOptimizer(tiny_llama().parameters(), error_feedback=True, lr=1e-3)
+
+
+def _first_collectives(rank: int, world_size: int) -> dict:
+    """Where each of the two levels' groups had its first collective: on the main thread, while the engine was
+    being built (NCCL makes a group's communicator then), or later on the round's thread."""
+    import threading
+
+    import torch.distributed as dist
+
+    from hf_acco.comm.communicator import Communicator
+
+    first: dict[int, str] = {}
+    building = [True]
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single")}
+
+    def recording(name: str):  # noqa: ANN202
+        def call(*args, group=None, **kwargs):  # noqa: ANN001, ANN202
+            if group is not None and id(group) not in first:
+                main = threading.current_thread() is threading.main_thread()
+                first[id(group)] = "construction" if main and building[0] else threading.current_thread().name
+            return originals[name](*args, group=group, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, recording(name))  # this forked rank only
+    model = tiny_llama()
+    opt = ACCOOptimizer(model.parameters(), lr=1e-3, micro_batches=2, comm_dtype="int8",
+                        communicator=Communicator(ranks_per_node=2))  # fmt: skip
+    building[0] = False
+    for i in range(2):
+        mean_loss(model, batch(rank, i))[0].backward()
+        opt.after_backward()
+    opt.step()
+    opt.synchronize()
+    levels = opt.comm.two_level
+    got = {"node": first.get(id(levels.node)), "rail": first.get(id(levels.rail))}
+    opt.close()
+    return got
+
+
+def test_the_two_levels_groups_are_set_up_while_the_engine_is_built_not_in_the_first_round() -> None:
+    for r in run_ranks(_first_collectives, world_size=4):
+        assert r == {"node": "construction", "rail": "construction"}, r

@@ -211,6 +211,17 @@ class Communicator:
         ranks = self._ranks if self._ranks is not None else list(range(dist.get_world_size()))
         options = lambda: round_group_options(self.backend, self.timeout)  # one object per group
         self.two_level = node_groups(ranks, self.rank, nodes, per_node, self.timeout, options)
+        self._warm(self.two_level.node, self.two_level.rail)
+
+    def _warm(self, *groups: dist.ProcessGroup) -> None:
+        """One collective on each of ``groups``, here, on the calling (main) thread: NCCL makes a group's
+        communicator at its first collective, and the first round's, on the round's thread and stream beside the
+        compute, would otherwise pay for it (a rendezvous of every member, seconds at scale) and be the first to
+        see a setup failure. A gloo group connects when it is made: for it this is one all-reduce of one number.
+        Collective: every rank, at the same point (the constructor, ``reopen``)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        for group in groups:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def _launcher_layout_agreed(self) -> bool:
         """Collective (every rank, before any of them decides): whether every rank read the same machine size

@@ -376,6 +376,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "bench-ab-gloo-all-gather": lambda: bench_ab_table("691166d_vs_cdb2a70"),
     "bench-ab-untouched": lambda: bench_ab_table("83f0941_vs_824f643"),
     "bench-ab-moments-in-place": lambda: bench_ab_table("824f643_vs_a0158e0"),
+    "bench-ab-lazy-zero": lambda: bench_ab_table("0abc56d_vs_81a160a"),
     "bench-ab-gloo-all-gather-first": lambda: bench_ab_table("691166d_vs_691166d-dirty"),
     "beside-bisect": lambda: beside_table("bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")),
     "beside-landing": lambda: beside_table("landing_2026-12-03", ("691166d", "cdb2a70")),
