@@ -204,9 +204,11 @@ def test_gradients_accumulate_in_fp32_and_the_round_takes_them_by_swap_or_copy()
     handed = pair.hand_over(swap=True)
     pair.restart(swap=True)
     assert handed is first and torch.equal(handed, sums)  # swap: the round owns the step's sums
-    assert pair.accum is not handed and not pair.accum.any()  # accumulation restarts from zero elsewhere
+    # accumulation restarts elsewhere, with no zeroing pass: each view's next gradient is written over it
+    assert pair.accum is not handed and not any(pair.written) and pair.stale
     model(x).sum().backward()
     assert torch.equal(handed, sums)  # the round's buffer is never touched by the main thread
+    assert torch.equal(pair.grad_views[id(model.bias)], torch.full((2,), 8.0))  # 2 x 4: one backward, not added to 12
     pair.release()
     model(x).sum().backward()
     assert model.weight.grad is not None  # hooks gone: autograd's own .grad again
@@ -217,7 +219,8 @@ def test_one_buffer_without_overlap_goes_back_to_accumulating_after_the_round() 
     model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
     assert pair.hand_over(swap=True) is pair.accum  # sync: the round works in the one buffer
     pair.round_returned()
-    assert not pair.accum.any()
+    assert not any(pair.written) and pair.stale  # back to accumulating: what it holds is overwritten or zeroed
+    assert pair.hand_over(swap=True) is pair.accum and not pair.accum.any()  # a round of no gradient reads zeros
 
 
 # ---- the step machine and the statistics ----------------------------------------------------------------------

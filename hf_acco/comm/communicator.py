@@ -35,7 +35,16 @@ import torch.distributed as dist
 
 from hf_acco.comm import quant
 from hf_acco.comm.exchange import all_gather_into
-from hf_acco.comm.nodes import NodeGroups, destroy_groups, gloo_failure, machines, node, node_groups
+from hf_acco.comm.nodes import (
+    NodeGroups,
+    destroy_groups,
+    gloo_failure,
+    launcher_layout_agreed,
+    machines,
+    node,
+    node_groups,
+    warm_groups,
+)
 from hf_acco.comm.sharding import FlatLayout
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -203,7 +212,7 @@ class Communicator:
     def _make_node_groups(self) -> None:
         if self.local_copies or self.two_level is not None:
             return
-        if self.ranks_per_node is None and not self._launcher_layout_agreed():
+        if self.ranks_per_node is None and not launcher_layout_agreed(self.rank, self.host_group):
             return
         nodes, per_node = machines(self.world_size, self.ranks_per_node)
         if nodes == 1 or per_node == 1:
@@ -211,36 +220,7 @@ class Communicator:
         ranks = self._ranks if self._ranks is not None else list(range(dist.get_world_size()))
         options = lambda: round_group_options(self.backend, self.timeout)  # one object per group
         self.two_level = node_groups(ranks, self.rank, nodes, per_node, self.timeout, options)
-        self._warm(self.two_level.node, self.two_level.rail)
-
-    def _warm(self, *groups: dist.ProcessGroup) -> None:
-        """One collective on each of ``groups``, here, on the calling (main) thread: NCCL makes a group's
-        communicator at its first collective, and the first round's, on the round's thread and stream beside the
-        compute, would otherwise pay for it (a rendezvous of every member, seconds at scale) and be the first to
-        see a setup failure. A gloo group connects when it is made: for it this is one all-reduce of one number.
-        Collective: every rank, at the same point (the constructor, ``reopen``)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        for group in groups:
-            dist.all_reduce(torch.zeros(1, device=device), group=group)
-
-    def _launcher_layout_agreed(self) -> bool:
-        """Collective (every rank, before any of them decides): whether every rank read the same machine size
-        (``LOCAL_WORLD_SIZE``) and is numbered machine by machine (``LOCAL_RANK``). Decided by each rank alone, a
-        job on machines of unequal size (8 + 4 GPUs) would have some ranks build the two levels' groups while the
-        others do not: a hang. Otherwise the flat all-to-all, said once."""
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        local = int(os.environ.get("LOCAL_RANK", self.rank % max(per_node, 1)))
-        mine = torch.tensor([float(per_node), -float(per_node), float(local != self.rank % max(per_node, 1))])
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.host_group)
-        largest, smallest, off = int(mine[0]), -int(mine[1]), bool(mine[2])
-        if largest != smallest:
-            warnings.warn(
-                f"The machines of this job run unequal numbers of ranks (LOCAL_WORLD_SIZE from {smallest} to "
-                f"{largest}): int8 gradients go by one flat all-to-all over all ranks instead of two levels (inside "
-                "each machine, then between machines), which sends more bytes between machines.",
-                stacklevel=4,
-            )
-        return largest == smallest and not off
+        warm_groups(self.backend, self.two_level.node, self.two_level.rail)
 
     def _destroy_at_exit(self) -> None:
         """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at

@@ -22,10 +22,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -78,6 +80,37 @@ def node_groups(
         group = dist.new_group(ranks[local::per_node], timeout=timeout, pg_options=options())
         mine_rail = group if rank % per_node == local else mine_rail
     return NodeGroups(nodes, per_node, mine_node, mine_rail)
+
+
+def launcher_layout_agreed(rank: int, host_group: Any) -> bool:
+    """Collective (every rank of ``host_group``, before any of them decides): whether every rank read the same
+    machine size (``LOCAL_WORLD_SIZE``) and is numbered machine by machine (``LOCAL_RANK``). Decided by each rank
+    alone, a job on machines of unequal size (8 + 4 GPUs) would have some ranks build the two levels' groups while
+    the others do not: a hang. Otherwise the flat all-to-all, said once."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", rank % max(per_node, 1)))
+    mine = torch.tensor([float(per_node), -float(per_node), float(local != rank % max(per_node, 1))])
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=host_group)
+    largest, smallest, off = int(mine[0]), -int(mine[1]), bool(mine[2])
+    if largest != smallest:
+        warnings.warn(
+            f"The machines of this job run unequal numbers of ranks (LOCAL_WORLD_SIZE from {smallest} to "
+            f"{largest}): int8 gradients go by one flat all-to-all over all ranks instead of two levels (inside "
+            "each machine, then between machines), which sends more bytes between machines.",
+            stacklevel=5,
+        )
+    return largest == smallest and not off
+
+
+def warm_groups(backend: str, *groups: Any) -> None:
+    """One collective on each of ``groups``, here, on the calling (main) thread: NCCL makes a group's communicator
+    at its first collective, and the first round's, on the round's thread and stream beside the compute, would
+    otherwise pay for it (a rendezvous of every member, seconds at scale) and be the first to see a setup failure.
+    A gloo group connects when it is made: for it this is one all-reduce of one number. Collective: every rank, at
+    the same point (the engine's construction, ``reopen``)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    for group in groups:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def node() -> str:

@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import re
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -206,35 +205,6 @@ def wakeups_table(day: str = "2026-12-03") -> str:
     return "\n".join(out) + "\n"
 
 
-def bench_ab_table(name: str = "ff2df1a_vs_afaad44") -> str:
-    """``python benchmarks/bench_ab.py``: the headline figures of each side's runs, alternated, and their medians."""
-    run = _load(f"engine/bench_ab/{name}.json")
-    figures = list(run["medians"]["base"])
-    out = ["| code | run | " + " | ".join(figures) + " |", "|---|---|" + "---:|" * len(figures)]
-    for side in ("base", "head"):
-        rows = [(str(i + 1), r) for i, r in enumerate(run["rounds"][side])] + [("median", run["medians"][side])]
-        out += [f"| {run[side]} | {i} | " + " | ".join(f"{r[k]:.3f}" for k in figures) + " |" for i, r in rows]
-    return "\n".join(out) + "\n"
-
-
-def beside_table(folder: str, order: tuple[str, ...]) -> str:
-    """``python benchmarks/beside.py`` on several commits' code (``PYTHONPATH=<worktree>``), runs alternated: the
-    medians over runs and ranks of a micro-batch alone and beside back-to-back rounds, and of the round's wall."""
-    runs: dict[str, list[dict]] = {}
-    for path in sorted((RESULTS / "engine" / "beside" / folder).glob("*.json")):
-        run = json.loads(path.read_text())
-        runs.setdefault(run["code_commit"], []).extend(run["ranks"])
-    med = lambda ranks, key: statistics.median(r[key] for r in ranks)  # noqa: E731
-    out = ["| code | runs x ranks | micro-batch alone (ms) | beside the rounds (ms) | ratio | round beside (ms) |"]
-    out.append("|---|---:|---:|---:|---:|---:|")
-    for code in order:
-        ranks = runs[code]
-        cells = [med(ranks, k) for k in ("micro_batch_alone_ms", "micro_batch_beside_ms", "beside_over_alone")]
-        out.append(f"| {code} | {len(ranks)} | {cells[0]:.1f} | {cells[1]:.1f} | {cells[2]:.3f} | "
-                   f"{med(ranks, 'round_beside_ms'):.1f} |")  # fmt: skip
-    return "\n".join(out) + "\n"
-
-
 def lifecycle_table() -> str:
     """``python benchmarks/engine.py lifecycle``: peak RSS per rank after each phase (MB)."""
     runs = json.loads((RESULTS / "lifecycle" / "lifecycle.json").read_text())
@@ -371,15 +341,17 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "round-cpu": round_cpu_table,
     "round-cpu-by-commit": round_cpu_by_commit,
     "wakeups": wakeups_table,
-    "bench-ab-ff2df1a": bench_ab_table,
-    "bench-ab-ff2df1a-final": lambda: bench_ab_table("ff2df1a_vs_8966971"),
-    "bench-ab-gloo-all-gather": lambda: bench_ab_table("691166d_vs_cdb2a70"),
-    "bench-ab-untouched": lambda: bench_ab_table("83f0941_vs_824f643"),
-    "bench-ab-moments-in-place": lambda: bench_ab_table("824f643_vs_a0158e0"),
-    "bench-ab-lazy-zero": lambda: bench_ab_table("0abc56d_vs_81a160a"),
-    "bench-ab-gloo-all-gather-first": lambda: bench_ab_table("691166d_vs_691166d-dirty"),
-    "beside-bisect": lambda: beside_table("bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")),
-    "beside-landing": lambda: beside_table("landing_2026-12-03", ("691166d", "cdb2a70")),
+    "bench-ab-ff2df1a": results_docs.bench_ab_table,
+    "bench-ab-ff2df1a-final": lambda: results_docs.bench_ab_table("ff2df1a_vs_8966971"),
+    "bench-ab-gloo-all-gather": lambda: results_docs.bench_ab_table("691166d_vs_cdb2a70"),
+    "bench-ab-untouched": lambda: results_docs.bench_ab_table("83f0941_vs_824f643"),
+    "bench-ab-moments-in-place": lambda: results_docs.bench_ab_table("824f643_vs_a0158e0"),
+    "bench-ab-lazy-zero": lambda: results_docs.bench_ab_table("0abc56d_vs_81a160a"),
+    "bench-ab-gloo-all-gather-first": lambda: results_docs.bench_ab_table("691166d_vs_691166d-dirty"),
+    "beside-bisect": lambda: results_docs.beside_table(
+        "bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")
+    ),
+    "beside-landing": lambda: results_docs.beside_table("landing_2026-12-03", ("691166d", "cdb2a70")),
     "lifecycle": lifecycle_table,
     "gpu-status": results_docs.gpu_status,
     "gpu-check": results_docs.gpu_check_table,

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,4 +109,33 @@ def traffic_table(folder: str = "recipes/results/engine/traffic") -> str:
         for phase in phases:
             ops = ", ".join(f"`{k}` {v:.1f}" for k, v in r["ops"][phase].items() if v >= 0.05)
             out.append(f"- {r['schedule']}, {phase}: {ops}")
+    return "\n".join(out) + "\n"
+
+
+def bench_ab_table(name: str = "ff2df1a_vs_afaad44") -> str:
+    """``python benchmarks/bench_ab.py``: the headline figures of each side's runs, alternated, and their medians."""
+    run = json.loads((ROOT / "recipes" / "results" / "engine" / "bench_ab" / f"{name}.json").read_text())
+    figures = list(run["medians"]["base"])
+    out = ["| code | run | " + " | ".join(figures) + " |", "|---|---|" + "---:|" * len(figures)]
+    for side in ("base", "head"):
+        rows = [(str(i + 1), r) for i, r in enumerate(run["rounds"][side])] + [("median", run["medians"][side])]
+        out += [f"| {run[side]} | {i} | " + " | ".join(f"{r[k]:.3f}" for k in figures) + " |" for i, r in rows]
+    return "\n".join(out) + "\n"
+
+
+def beside_table(folder: str, order: tuple[str, ...]) -> str:
+    """``python benchmarks/beside.py`` on several commits' code (``PYTHONPATH=<worktree>``), runs alternated: the
+    medians over runs and ranks of a micro-batch alone and beside back-to-back rounds, and of the round's wall."""
+    runs: dict[str, list[dict]] = {}
+    for path in sorted((ROOT / "recipes" / "results" / "engine" / "beside" / folder).glob("*.json")):
+        run = json.loads(path.read_text())
+        runs.setdefault(run["code_commit"], []).extend(run["ranks"])
+    med = lambda ranks, key: statistics.median(r[key] for r in ranks)  # noqa: E731
+    out = ["| code | runs x ranks | micro-batch alone (ms) | beside the rounds (ms) | ratio | round beside (ms) |"]
+    out.append("|---|---:|---:|---:|---:|---:|")
+    for code in order:
+        ranks = runs[code]
+        cells = [med(ranks, k) for k in ("micro_batch_alone_ms", "micro_batch_beside_ms", "beside_over_alone")]
+        out.append(f"| {code} | {len(ranks)} | {cells[0]:.1f} | {cells[1]:.1f} | {cells[2]:.3f} | "
+                   f"{med(ranks, 'round_beside_ms'):.1f} |")  # fmt: skip
     return "\n".join(out) + "\n"
