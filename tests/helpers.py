@@ -94,7 +94,7 @@ class _Done:
 class FakeComm:
     """The collectives of one rank alone: sums over one rank are the rank's own values."""
 
-    rank, world_size = 0, 1
+    rank, world_size, part = 0, 1, None
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -105,6 +105,9 @@ class FakeComm:
     def all_reduce(self, tensor: torch.Tensor, op=None, async_op: bool = False):
         self.calls.append("all_reduce")
         return _Done() if async_op else None
+
+    def all_reduce_norms(self, tensor: torch.Tensor) -> None:
+        self.calls.append("all_reduce_norms")
 
     def all_reduce_counts(self, counts: list[float]) -> list[float]:
         self.calls.append("all_reduce_counts")

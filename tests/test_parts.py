@@ -63,7 +63,7 @@ def test_commit_round_is_the_clipped_adamw_step_on_the_averaged_gradient() -> No
     assert result.grad_norm == pytest.approx(float(torch.cat([(g / 4).flatten() for g in grads]).norm()), rel=1e-6)
     assert (result.weight, result.micro_batches, result.skipped) == (4.0, 2, False)
     # counts first, on the host (every rank has launched the round), then grads, norm, params
-    assert comm.calls == ["all_reduce_counts", "reduce_scatter", "all_reduce", "all_gather"]
+    assert comm.calls == ["all_reduce_counts", "reduce_scatter", "all_reduce_norms", "all_gather"]
     torch.testing.assert_close(shard.master, buf[: shard.master.numel()])  # committed: the master moved
 
 

@@ -27,7 +27,7 @@ import datetime
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from hf_acco.comm.nodes import (
     machines,
     node,
     node_groups,
+    partition_of,
     warm_groups,
 )
 from hf_acco.comm.sharding import FlatLayout
@@ -146,6 +147,8 @@ class Communicator:
                 "`torch.distributed.init_process_group` before building the ACCO optimizer."
             )
         self._ranks = dist.get_process_group_ranks(group) if group is not None else None
+        self._global_rank = dist.get_rank()
+        self._parts = partition_of(self._ranks)  # every rank's part, when they differ (HSDP's replicate groups)
         self.timeout = timeout
         self.quantized_gradients = False  # int8 gradients on the wire (use_int8_gradients)
         self.ranks_per_node = ranks_per_node  # None: the launcher's LOCAL_WORLD_SIZE (nodes.py)
@@ -166,26 +169,54 @@ class Communicator:
 
     def _make_groups(self, backend: str) -> None:
         """The round's group (and a gloo host group for the counts when the round's is not gloo). Collective: every
-        rank, in the same order as its other groups."""
-        ranks, timeout = self._ranks, self.timeout
+        rank, in the same order as its other groups. With ``group`` a part of the world (the ranks of one FSDP shard
+        index, one per machine), each rank's part differs: every rank makes every part's group (torch's rule for
+        ``new_group``) and keeps its own."""
+        timeout = self.timeout
         try:
-            options = round_group_options(backend, timeout)
-            self.group = dist.new_group(ranks=ranks, timeout=timeout, pg_options=options)
+            options = lambda: round_group_options(backend, timeout)  # noqa: E731  # one object per group
+            self.group = self._new_group(lambda ranks: dist.new_group(ranks, timeout=timeout, pg_options=options()))
         except (RuntimeError, dist.DistError) as e:
             if backend != "gloo":
                 raise
             raise RuntimeError(gloo_failure(e)) from e
         self.backend = dist.get_backend(self.group)
+        # The gradient's global norm sums every rank's part of it: over the round's group, or, when the ranks of
+        # that group hold one FSDP shard of the model (a part of the world), over the whole world (its own group: the
+        # round's thread never shares a group with the main thread's collectives)
+        self.norm_group = self.group
+        if self._parts is not None:
+            self.norm_group = dist.new_group(None, timeout=timeout, pg_options=options())
         # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
         # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
         self.host_group = self.group
         if self.backend != "gloo":
             try:
-                self.host_group = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
+                self.host_group = self._new_group(lambda ranks: dist.new_group(ranks, timeout=timeout, backend="gloo"))
             except (RuntimeError, dist.DistError) as e:
                 raise RuntimeError(gloo_failure(e)) from e
         atexit.register(self._destroy_at_exit)
         self.destroyed = False
+
+    @property
+    def part(self) -> tuple[int, int] | None:
+        """(which, how many) of the world's parts this rank's group is, when the ranks' groups differ (HSDP: the FSDP
+        shard index, of the machine's ranks); None when every rank shares one group."""
+        if self._parts is None:
+            return None
+        return next(i for i, p in enumerate(self._parts) if self._global_rank in p), len(self._parts)
+
+    def _new_group(self, make: Callable[[list[int] | None], dist.ProcessGroup]) -> dist.ProcessGroup:
+        """``make(ranks)`` for this communicator's ranks (None: the world), or, when ranks differ between ranks (each
+        has its own part of the world), for every part in the order of its lowest rank; this rank's part."""
+        if self._parts is None:
+            return make(self._ranks)
+        mine: dist.ProcessGroup | None = None
+        for part in self._parts:
+            group = make(part)
+            mine = group if self._global_rank in part else mine
+        assert mine is not None  # (partition_of checked that every rank is in a part)
+        return mine
 
     def destroy(self) -> None:
         """Release the groups (NCCL communicators, gloo sockets): an engine that is closed holds none, so retries
@@ -210,8 +241,8 @@ class Communicator:
         self._make_node_groups()
 
     def _make_node_groups(self) -> None:
-        if self.local_copies or self.two_level is not None:
-            return
+        if self.local_copies or self.two_level is not None or self._parts is not None:
+            return  # (a part of the world, one rank per machine: the flat all-to-all)
         if self.ranks_per_node is None and not launcher_layout_agreed(self.rank, self.host_group):
             return
         nodes, per_node = machines(self.world_size, self.ranks_per_node)
@@ -233,7 +264,7 @@ class Communicator:
             if self.two_level is not None:
                 self.two_level.destroy()
                 self.two_level = None
-            destroy_groups(self.host_group, self.group)
+            destroy_groups(self.host_group, self.norm_group, self.group)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
 
@@ -268,6 +299,10 @@ class Communicator:
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
     ) -> dist.Work | None:
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_reduce_norms(self, tensor: torch.Tensor) -> None:
+        """The sum over every rank holding a part of the gradient (see ``norm_group``) of ``tensor``."""
+        dist.all_reduce(tensor, group=self.norm_group)
 
     def all_reduce_counts(self, counts: Sequence[float]) -> list[float]:
         """The sums over ranks of a few numbers, on the host group (no device memory, no device sync)."""

@@ -113,6 +113,27 @@ def warm_groups(backend: str, *groups: Any) -> None:
         dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
+def partition_of(ranks: list[int] | None) -> list[list[int]] | None:
+    """Collective (the whole world): every rank's ``ranks`` (its round's group), distinct, in the order of their
+    lowest rank; None when every rank has the same (the usual case, the world or one group). They must partition
+    the world, each rank in its own part: HSDP's replicate groups, one per FSDP shard index."""
+    if ranks is None or dist.get_world_size() == 1:
+        return None
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(ranks))
+    parts = sorted({tuple(r) for r in every})
+    if len(parts) == 1:
+        return None
+    members = sorted(r for part in parts for r in part)
+    if members != list(range(dist.get_world_size())) or any(rank not in every[rank] for rank in range(len(every))):
+        raise ValueError(
+            f"ACCO's process groups differ between ranks ({[list(p) for p in parts]}) but do not partition the world "
+            "with each rank in its own: pass each rank the group of the ranks it exchanges with (for FSDP inside "
+            "each machine: the mesh's replicate group, mesh.get_group('dp_replicate'))."
+        )
+    return [list(part) for part in parts]
+
+
 def node() -> str:
     """Which machine this process runs on, for messages of a multi-node job: the launcher's node rank
     (``GROUP_RANK``, set by torchrun and ``accelerate launch``) and the host's name."""

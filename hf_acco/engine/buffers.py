@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hf_acco.comm.sharding import FlatLayout
 
@@ -81,6 +82,13 @@ def check_grad_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, param_dty
         )
 
 
+@torch.no_grad()
+def local_data(p: torch.Tensor) -> torch.Tensor:
+    """What the engine reads and writes of a parameter: the parameter, or, for an FSDP2 (DTensor) parameter, this
+    rank's local shard (a view of the storage FSDP all-gathers from: a write is seen by the next all-gather)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def model_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
     """The dtype parameters are all-gathered in: the parameters' common floating dtype, else fp32."""
     dtypes = {p.dtype for p in params}
@@ -132,8 +140,12 @@ class BufferPair:
         comm_dtype: torch.dtype = torch.float32,
         grad_dtype: torch.dtype = ACCUM_DTYPE,
         rank: int = 0,
+        owners: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.params = list(params)
+        # where each parameter's gradient arrives (the hooks' tensors): the parameters themselves, or, for an FSDP2
+        # model, its DTensor parameters, whose local shards (``params``) the engine reads and writes
+        self.owners = list(owners) if owners is not None else self.params
         self.layout = layout
         self.device = device
         self.comm_dtype = comm_dtype
@@ -156,12 +168,12 @@ class BufferPair:
         # the views nothing was written into (and the padding) may hold other values until ``hand_over`` zeroes them
         self.written = bytearray(len(self.params))
         self.stale = False
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._index = {id(p): i for i, p in enumerate(self.owners)}
         self.evaluating = False  # the engine is in eval mode: no gradient may come in (``accum`` may hold parameters)
         self.eval_backup: torch.Tensor | None = None  # in eval mode, what the model held if it was not θ
         # per-parameter views of each buffer, made once: the two buffers swap roles every step
         self._views_of = {
-            id(buf): {id(p): v for p, v in zip(self.params, layout.views(buf))} for buf in (self.accum, self.wire)
+            id(buf): {id(p): v for p, v in zip(self.owners, layout.views(buf))} for buf in (self.accum, self.wire)
         }
         self.grad_views = self._views_of[id(self.accum)]
         self._hooks: list = []
@@ -200,7 +212,7 @@ class BufferPair:
         if self._hooks:
             return
         earlier = {}
-        for p in self.params:
+        for p in self.owners:
             owner = _OWNERS[id(p)]() if id(p) in _OWNERS else None
             if owner is not None and owner is not self and owner._hooks and id(p) in owner._views_of[id(owner.accum)]:
                 earlier[id(owner)] = owner
@@ -212,8 +224,8 @@ class BufferPair:
                 stacklevel=3,
             )
             owner.release()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.params]
-        for p in self.params:
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.owners]
+        for p in self.owners:
             _OWNERS[id(p)] = weakref.ref(self)
 
     def check_devices(self) -> None:
@@ -239,6 +251,8 @@ class BufferPair:
             )
         # (p.grad is set: a post-accumulate-grad hook runs after autograd has written it)
         i, view, grad = self._index[id(p)], self.grad_views[id(p)], cast(torch.Tensor, p.grad)
+        if isinstance(grad, DTensor):  # FSDP2: this rank's shard of the machine's reduced gradient
+            grad = grad.to_local()
         if self.written[i] and self.grad_scale == 1.0:
             view.add_(grad)
         elif self.written[i]:
@@ -284,7 +298,7 @@ class BufferPair:
         if not self.stale:
             return
         views = self.grad_views
-        for i, p in enumerate(self.params):
+        for i, p in enumerate(self.owners):
             if not self.written[i]:
                 views[id(p)].zero_()
         self.accum[self.layout.numel :].zero_()

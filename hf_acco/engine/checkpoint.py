@@ -58,9 +58,17 @@ def _atomic_write(path: Path, write: Any) -> None:
         os.close(dir_fd)
 
 
+def shards_directory(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> Path:
+    """Where this rank's shard file goes: ``directory``, or, when the engine's ranks hold one FSDP shard of the model
+    (a part of the world, see ``Communicator.part``), its part's own folder ``fsdp_shard{k}_of_{K}``: the parts'
+    ranks are numbered alike, and each part re-shards on its own."""
+    part = optimizer.comm.part
+    return Path(directory) if part is None else Path(directory) / f"fsdp_shard{part[0]}_of_{part[1]}"
+
+
 def save_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> Path:
     """Write this rank's shard into ``directory`` (every rank calls it). Returns the file written."""
-    directory = Path(directory)
+    directory = shards_directory(optimizer, directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / shard_filename(optimizer.comm.rank, optimizer.comm.world_size)
     atomic_save(optimizer.state_dict(), path)
@@ -72,7 +80,7 @@ def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike)
     world size, or a checkpoint of an older chunk size): each rank then reads only its own ranges of the files."""
     layout, rank = optimizer.layout, optimizer.comm.rank
     try:
-        states = _read_shards(Path(directory), rank, layout.world_size, layout.chunk)
+        states = _read_shards(shards_directory(optimizer, directory), rank, layout.world_size, layout.chunk)
         meta = states[0]["layout"]
         same = meta["world_size"] == layout.world_size and meta["chunk"] == layout.chunk
         state = states[0] if same else reshard(states, layout, rank)

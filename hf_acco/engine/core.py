@@ -45,7 +45,14 @@ from hf_acco.comm.communicator import Communicator, warn_if_one_hardware_queue
 from hf_acco.comm.deltas import CHANGE_DTYPES, GATHER_DTYPES, DeltaGather, quantized_settings
 from hf_acco.comm.quant import ErrorFeedback
 from hf_acco.comm.sharding import FlatLayout, trainable_parameters
-from hf_acco.engine.buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
+from hf_acco.engine.buffers import (
+    BufferPair,
+    check_grad_dtype,
+    local_data,
+    model_dtype,
+    parse_comm_dtype,
+    parse_wire,
+)
 from hf_acco.engine.halves import halves_for, round_ends_soon
 from hf_acco.engine.inflight import RoundInFlight
 from hf_acco.engine.lifecycle import EngineLifecycle
@@ -169,7 +176,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.warmup_steps, self.auto_step = warmup_steps, auto_step
         super().__init__(params, defaults)
         named = trainable_parameters(self.param_groups)
-        self._params = [p for _, p, _ in named]
+        self._owners = [p for _, p, _ in named]  # where the gradients arrive
+        self._params = [local_data(p) for p in self._owners]  # what the engine reads and writes (FSDP2: local shards)
         wire, quantized = parse_wire(comm_dtype, self._params)
         check_grad_dtype(sums, wire, model_dtype(self._params))  # before the first collective, as above
         self.comm = communicator if communicator is not None else Communicator(group)
@@ -218,8 +226,9 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         """The gradient buffer pair, on the parameters' device, checked alike on every rank (collective)."""
         separate = self.schedule is not Schedule.SYNC
         buffers = BufferPair(
-            self._params, self.layout, self.device, separate, comm_dtype=wire, grad_dtype=sums, rank=self.comm.rank
-        )
+            self._params, self.layout, self.device, separate, comm_dtype=wire, grad_dtype=sums, rank=self.comm.rank,
+            owners=self._owners,
+        )  # fmt: skip
         buffers.check_devices()
         self.comm.check_same_everywhere(
             [self.layout.numel, len(self._params)], self.device, "Ranks disagree on the trainable parameters (count "
@@ -312,7 +321,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the engine's buffer (``p.grad`` is always ``None``): nothing to do."""
-        for p in self._params:
+        for p in self._owners:
             p.grad = None
 
     # ---- state --------------------------------------------------------------------------------------------

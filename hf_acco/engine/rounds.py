@@ -288,5 +288,5 @@ class RoundBody:
                 self._piece_views[grad.data_ptr()] = views
             squares = torch.stack(torch._foreach_norm(self._piece_views[grad.data_ptr()])).square()
             partial[self._owned] = torch.segment_reduce(squares, "sum", lengths=self._segments, unsafe=True)
-        self.comm.all_reduce(partial)
+        self.comm.all_reduce_norms(partial)
         return torch.linalg.vector_norm(partial.sqrt()).reshape(1)

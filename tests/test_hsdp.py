@@ -1,0 +1,116 @@
+"""FSDP2 inside each machine, ACCO across machines (HSDP-ACCO), on a hand-written loop: 4 gloo ranks as 2 machines of
+2. Each machine shards the model with ``fully_shard`` on its own 1-D mesh (a reduce-scatter per micro-batch, FSDP's);
+the engine is built over the DTensor parameters with the mesh's replicate group (one rank per machine, holding the
+same shard): its rounds reduce-scatter, step and all-gather each rank's local shard across machines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_acco import ACCOOptimizer
+from hf_acco.tools.multiprocess import run_ranks
+
+from .models import batch, decay_groups, mean_loss, tiny_llama
+from .reference import Reference, relative_error, run_acco, run_sync
+
+STEPS, MICRO, CLIP, WD = 6, 4, 0.1, 0.1  # a clip that bites (the norms are about 0.3)
+HP = {"lr": 1e-2, "betas": (0.9, 0.95)}
+MACHINES, PER_MACHINE = 2, 2
+
+
+def _sharded(seed: int = 0, schedule: str = "acco"):  # noqa: ANN202
+    """A tiny Llama sharded by FSDP2 over each "machine" (2 ranks), and an engine over the machines."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (MACHINES, PER_MACHINE), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = tiny_llama(seed=seed)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    opt = ACCOOptimizer(decay_groups(model, WD), schedule=schedule, micro_batches=MICRO, max_grad_norm=CLIP,
+                        group=mesh.get_group("dp_replicate"), **HP)  # fmt: skip
+    return model, opt
+
+
+def _steps(model, opt, rank: int, start: int, stop: int) -> list:  # noqa: ANN001
+    norms = []
+    for t in range(start, stop):
+        for i in range(MICRO):
+            loss, weight = mean_loss(model, batch(rank, t * MICRO + i))
+            loss.backward()
+            opt.after_backward(weight)
+        opt.step()
+        opt.synchronize()
+        norms.append(opt.last_commit.grad_norm if opt.last_commit else None)
+    return norms
+
+
+def _hsdp_acco(rank: int, world_size: int, schedule: str) -> dict:
+    model, opt = _sharded(schedule=schedule)
+    norms = _steps(model, opt, rank, 0, STEPS)
+    with opt.committed_parameters():
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        local = [p.to_local().detach().clone() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+    opt.close()
+    return {"full": full, "local": local, "norms": norms, "grads_none": all(g is None for g in grads)}
+
+
+def _reference(schedule: str) -> list[torch.Tensor]:
+    model = tiny_llama()
+    ref = Reference(model, decay_groups(model, WD), torch.optim.AdamW, CLIP, mean_loss, **HP)
+    ranks = range(MACHINES * PER_MACHINE)
+
+    def mbs(r: int, t: int, lo: int, hi: int) -> list:
+        return [batch(r, t * MICRO + i) for i in range(lo, hi)]
+
+    if schedule == "acco":
+        half = MICRO // 2
+        return run_acco(ref, [[(mbs(r, t, 0, half), mbs(r, t, half, MICRO)) for r in ranks] for t in range(STEPS)])[-1]
+    return run_sync(ref, [[mbs(r, t, 0, MICRO) for r in ranks] for t in range(STEPS)])[-1]
+
+
+@pytest.mark.parametrize("schedule", ["sync", "acco"])
+def test_fsdp_inside_machines_acco_across_equals_the_reference(schedule: str) -> None:
+    """The global mean gradient (FSDP's average over a machine, the rounds' over machines), the global norm for
+    clipping (over both dimensions), every shard stepped: the parameters equal the single-process reference's; the
+    ranks of one replicate group hold the same shard, bit for bit."""
+    results = run_ranks(_hsdp_acco, world_size=MACHINES * PER_MACHINE, schedule=schedule, timeout=300)
+    expected = _reference(schedule)
+    for r in results:
+        assert relative_error(r["full"], expected) < 1e-5
+        assert r["grads_none"]
+    for a, b in ((0, 2), (1, 3)):  # same shard index on the two machines
+        assert all(torch.equal(x, y) for x, y in zip(results[a]["local"], results[b]["local"]))
+    assert results[0]["norms"] == results[1]["norms"] == results[2]["norms"]  # one global norm
+
+
+def _hsdp_resume(rank: int, world_size: int, directory: str) -> dict:
+    from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
+
+    model, opt = _sharded()
+    _steps(model, opt, rank, 0, 3)
+    written = save_optimizer_state(opt, directory)
+    _steps(model, opt, rank, 3, STEPS)
+    with opt.committed_parameters():
+        straight = [p.to_local().detach().clone() for p in model.parameters()]
+    opt.close()
+    model, opt = _sharded(seed=1)  # other parameters: the checkpoint brings the boundary's
+    load_optimizer_state(opt, directory)
+    _steps(model, opt, rank, 3, STEPS)
+    with opt.committed_parameters():
+        resumed = [p.to_local().detach().clone() for p in model.parameters()]
+    opt.close()
+    return {"straight": straight, "resumed": resumed, "file": str(written.relative_to(directory))}
+
+
+def test_resume_in_this_mode_is_bit_identical(tmp_path) -> None:
+    """Each FSDP shard index's ranks write and read their own folder of shard files (their ranks are numbered
+    alike): a run resumed from step 3 ends where the uninterrupted one ends, bit for bit."""
+    results = run_ranks(_hsdp_resume, world_size=MACHINES * PER_MACHINE, directory=str(tmp_path), timeout=300)
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
+    files = [r["file"] for r in results]
+    assert files == [f"fsdp_shard{s}_of_2/acco_optimizer_rank{m}_of_2.pt" for m in (0, 1) for s in (0, 1)], files
