@@ -114,3 +114,32 @@ def test_resume_in_this_mode_is_bit_identical(tmp_path) -> None:
         assert all(torch.equal(a, b) for a, b in zip(r["straight"], r["resumed"]))
     files = [r["file"] for r in results]
     assert files == [f"fsdp_shard{s}_of_2/acco_optimizer_rank{m}_of_2.pt" for m in (0, 1) for s in (0, 1)], files
+
+
+def _memory(rank: int, world_size: int) -> tuple[list[int], list[int]]:
+    from hf_acco.engine.buffers import local_data
+    from hf_acco.tools.memory import engine_memory
+
+    model, opt = _sharded()
+    _steps(model, opt, rank, 0, 1)
+    held = [
+        sum(local_data(p).nbytes for p in model.parameters()),
+        opt.buffers.accum.nbytes,
+        opt.buffers.wire.nbytes,
+        opt.shard.master.nbytes,
+        getattr(opt.shard.own_grad, "nbytes", 0),
+        sum(v.nbytes for v in opt.shard.state_tensors()[0].values()),
+    ]
+    full = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
+    fused = any(g.get("fused") for g in opt.shard.inner.param_groups)
+    report = engine_memory(full, world_size, schedule="acco", backend="gloo", bucket_numel=opt.layout.bucket_numel,
+                           optimizer="fused" if fused else "foreach", fsdp_shard=PER_MACHINE)  # fmt: skip
+    opt.close()
+    return held, list(report.persistent.values())
+
+
+def test_the_memory_report_of_this_mode_is_what_the_engine_holds() -> None:
+    """``python -m hf_acco.memory --fsdp_shard 2`` from the model's size alone: each buffer is what a built engine
+    on an FSDP2 model holds (one FSDP shard's numbers, the rounds over the machines)."""
+    for held, report in run_ranks(_memory, world_size=MACHINES * PER_MACHINE, timeout=300):
+        assert report == pytest.approx(held, rel=0.01), (held, report)

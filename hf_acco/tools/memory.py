@@ -103,8 +103,17 @@ def engine_memory(
     gather_dtype: str = "auto",
     ranks_per_node: int = 1,
     error_feedback: bool = False,
+    fsdp_shard: int = 1,
 ) -> MemoryReport:
-    """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks."""
+    """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks. ``fsdp_shard``: the
+    ranks of a machine that shard the model with FSDP2 (docs/hsdp.md): the engine then holds one FSDP shard's
+    numbers (``numel / fsdp_shard`` elements: FSDP splits each parameter's first dimension, within a row of even)
+    and its rounds run over ``world_size / fsdp_shard`` ranks, one per machine."""
+    if fsdp_shard > 1:
+        if world_size % fsdp_shard:
+            raise ValueError(f"world_size ({world_size}) is machines x fsdp_shard: {fsdp_shard} does not divide it")
+        numel, world_size = -(-numel // fsdp_shard), world_size // fsdp_shard
+        ranks_per_node = 1  # one rank per machine in the rounds' group: the flat all-to-all
     comm_dtype, quantized = _wire(comm_dtype, param_dtype)
     layout = FlatLayout([torch.empty(numel, device="meta")], ["all"], [0], world_size, bucket_numel, backend)
     full, shard = layout.padded_numel, layout.shard_numel
@@ -113,7 +122,8 @@ def engine_memory(
     comm = comm_allocation(param_dtype, comm_dtype, schedule != "sync", grad_dtype)
     room = shard_grad_room(grad_dtype if comm is None else comm, comm_dtype, world_size, layout.chunk)
     persistent = {
-        "parameters (the model's)": numel * param_dtype.itemsize,
+        "parameters (the model's)" if fsdp_shard == 1 else "parameters (this rank's FSDP shard)": numel
+        * param_dtype.itemsize,
         "gradient accumulation buffer (full)": full * grad_dtype.itemsize,
         "round buffer (full)": 0 if comm is None else full * comm.itemsize,
         "master shard (fp32)": shard * fp32,
@@ -135,6 +145,8 @@ def engine_memory(
     if schedule == "sync":  # no estimate round
         round_pool.pop("round: Adam estimate windows")
     temporaries = {"main thread at a step boundary (no shard-sized copy)": 0}
+    if fsdp_shard > 1:  # FSDP's own, beside the activations (neither counted): the layers it has all-gathered
+        temporaries["FSDP: the unsharded layers of the forward and backward (not counted: a layer or two)"] = 0
     host = {}
     if schedule == "acco":
         host["acco: the boundary's model shard (model dtype, pinned on a GPU)"] = shard * param_dtype.itemsize
@@ -225,14 +237,19 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
     )
 
 
-def baselines(numel: int, world_size: int, param_dtype: torch.dtype) -> dict[str, int]:
-    """Persistent bytes per rank of DDP, ZeRO-1 and ZeRO-2 (fp32 gradient accumulation, Adam(W))."""
+def baselines(numel: int, world_size: int, param_dtype: torch.dtype, fsdp_shard: int = 1) -> dict[str, int]:
+    """Persistent bytes per rank of DDP, ZeRO-1 and ZeRO-2 (fp32 gradient accumulation, Adam(W)); with
+    ``fsdp_shard``, HSDP too: FSDP2 over each machine's ranks with mixed precision as Accelerate sets it up (fp32
+    sharded parameters, gradients and moments), replicated across machines."""
     params, grads, master, moments = numel * param_dtype.itemsize, 4 * numel, 4 * numel, 8 * numel
-    return {
+    out = {
         "DDP": params + grads + master + moments,
         "ZeRO-1": params + grads + (master + moments) // world_size,
         "ZeRO-2": params + (grads + master + moments) // world_size,
     }
+    if fsdp_shard > 1:
+        out[f"HSDP (FSDP2 over {fsdp_shard} ranks, fp32 master parameters)"] = (master + grads + moments) // fsdp_shard
+    return out
 
 
 def _gb(n: int) -> str:
@@ -240,7 +257,13 @@ def _gb(n: int) -> str:
 
 
 def table(
-    report: MemoryReport, numel: int, world_size: int, param_dtype: torch.dtype, settings: dict, gpus_per_node: int
+    report: MemoryReport,
+    numel: int,
+    world_size: int,
+    param_dtype: torch.dtype,
+    settings: dict,
+    gpus_per_node: int,
+    fsdp_shard: int = 1,
 ) -> str:
     """The report as Markdown tables (GB = 10^9 bytes, GiB beside)."""
     name = ", ".join(f"{k} {v}" for k, v in settings.items())
@@ -256,7 +279,9 @@ def table(
     lines += [f"| **pinned per node** ({gpus_per_node} GPUs) | **{_gb(report.host_bytes * gpus_per_node)}** |"]
     lines += [f"| only while it happens: {k} | {_gb(n)} |" for k, n in report.host_transient.items()]
     lines += ["", "| baseline | persistent GB (GiB) |", "|---|---|"]
-    lines += [f"| {k} | {_gb(n)} |" for k, n in baselines(numel, world_size, param_dtype).items()]
+    lines += [f"| {k} | {_gb(n)} |" for k, n in baselines(numel, world_size, param_dtype, fsdp_shard).items()]
+    if fsdp_shard > 1:
+        lines += ["", "Not counted: FSDP's all-gathered layers (a layer or two at a time) and the activations."]
     return "\n".join(lines)
 
 
@@ -281,6 +306,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--optimizer", choices=OPTIMIZERS, default="fused", help="the inner AdamW (Trainer's default: fused)"
     )
+    p.add_argument(
+        "--fsdp_shard", type=int, default=1,
+        help="ranks of each machine that shard the model with FSDP2, ACCO across machines (docs/hsdp.md)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     return p
 
@@ -297,30 +326,65 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     if args.error_feedback and args.comm_dtype != "int8":
         p.error("--error_feedback is for int8 gradients: add --comm_dtype int8")
+    if args.fsdp_shard > 1 and args.world_size % args.fsdp_shard:
+        p.error(f"--world_size is machines x --fsdp_shard: {args.fsdp_shard} does not divide {args.world_size}")
     report = engine_memory(
         numel, args.world_size, param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule,
         optimizer=args.optimizer, gather_dtype=args.gather_dtype, ranks_per_node=args.gpus_per_node,
-        error_feedback=args.error_feedback,
+        error_feedback=args.error_feedback, fsdp_shard=args.fsdp_shard,
     )  # fmt: skip
     settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(wire), "grad_dtype": args.grad_dtype}
     settings.update(gather_dtype=args.gather_dtype, error_feedback=args.error_feedback)
     settings.update(schedule=args.schedule, optimizer=args.optimizer)
+    if args.fsdp_shard > 1:
+        settings["fsdp_shard"] = args.fsdp_shard
+    lower = lower_settings(args, numel, param, wire, grad, report.persistent_bytes)
     if not args.json:
-        print(table(report, numel, args.world_size, param, settings, args.gpus_per_node))
+        print(table(report, numel, args.world_size, param, settings, args.gpus_per_node, args.fsdp_shard))
+        if lower:
+            print("\nWhat would lower the persistent bytes per rank:")
+            print("\n".join(f"- {k}: {_gb(n)}" for k, n in lower.items()))
         return
     out = {"unit": "bytes (GB = 10^9 bytes; GiB = 2^30)", "params": numel, "world_size": args.world_size}
     out.update(gpus_per_node=args.gpus_per_node, param_dtype=args.param_dtype, comm_dtype=_name(wire))
     out.update(grad_dtype=args.grad_dtype, gather_dtype=args.gather_dtype, schedule=args.schedule)
     out.update(error_feedback=args.error_feedback)
-    out.update(optimizer=args.optimizer)
+    out.update(optimizer=args.optimizer, fsdp_shard=args.fsdp_shard)
     out.update(persistent_bytes=report.persistent_bytes, round_pool_bytes=report.round_pool_bytes)
     out.update(peak_bytes=report.peak_bytes, host_pinned_bytes_per_rank=report.host_bytes)
     out.update(host_pinned_bytes_per_node=report.host_bytes * args.gpus_per_node)
     out.update({f"{k}_gib": out[k] / GIB for k in list(out) if k.endswith("_bytes") or "_bytes_per_" in k})
     out.update(persistent=report.persistent, round_pool=report.round_pool, temporaries=report.temporaries)
     out.update(host=report.host, host_transient=report.host_transient)
-    out["baselines_persistent_bytes"] = baselines(numel, args.world_size, param)
+    out["baselines_persistent_bytes"] = baselines(numel, args.world_size, param, args.fsdp_shard)
+    out["lower_persistent_bytes"] = lower
     print(json.dumps(out))
+
+
+def lower_settings(
+    args: argparse.Namespace, numel: int, param: torch.dtype, wire: torch.dtype | str, grad: torch.dtype, now: int
+) -> dict[str, int]:
+    """The persistent bytes per rank with each setting that holds less (one change at a time), where it does."""
+    base = dict(param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule, optimizer=args.optimizer,
+                gather_dtype=args.gather_dtype, ranks_per_node=args.gpus_per_node,
+                error_feedback=args.error_feedback, fsdp_shard=args.fsdp_shard)  # fmt: skip
+    changes: dict[str, dict] = {
+        "--schedule sync (one buffer: no round runs beside the next micro-batches)": {"schedule": "sync"},
+        "--grad_dtype bf16 (bf16 sums, model in bf16)": {"grad_dtype": torch.bfloat16},
+    }
+    if args.world_size > args.fsdp_shard:
+        changes["twice the machines (--world_size x 2)"] = {}
+    out = {}
+    for name, change in changes.items():
+        world = args.world_size * (2 if name.startswith("twice") else 1)
+        try:
+            check_grad_dtype(change.get("grad_dtype", grad), param if isinstance(wire, str) else wire, param)
+            held = engine_memory(numel, world, **{**base, **change}).persistent_bytes
+        except ValueError:
+            continue
+        if held < now:
+            out[name] = held
+    return out
 
 
 def _name(dtype: torch.dtype | str) -> str:

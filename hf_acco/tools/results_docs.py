@@ -139,3 +139,29 @@ def beside_table(folder: str, order: tuple[str, ...]) -> str:
         out.append(f"| {code} | {len(ranks)} | {cells[0]:.1f} | {cells[1]:.1f} | {cells[2]:.3f} | "
                    f"{med(ranks, 'round_beside_ms'):.1f} |")  # fmt: skip
     return "\n".join(out) + "\n"
+
+
+def hsdp_memory_table() -> str:
+    """``python -m hf_acco.memory --fsdp_shard 8 --grad_dtype bf16 --comm_dtype int8``: per GPU, FSDP2 over each
+    machine's 8 GPUs and ACCO across machines, for 70B on 8 machines, 34B on 4 and 13B on 2 (bf16 models), beside
+    HSDP's persistent bytes and the ``sync`` schedule's."""
+    import torch
+
+    from hf_acco.tools.memory import baselines, engine_memory
+
+    out = [
+        "| model, machines x 8 GPUs | HSDP-ACCO persistent (GB) | peak with the rounds' pool (GB) "
+        "| the same with `sync` (GB) | HSDP (FSDP2, fp32 masters) (GB) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for params, machines in ((70e9, 8), (34e9, 4), (13e9, 2)):
+        numel, world = int(params), 8 * machines
+        settings = dict(param_dtype=torch.bfloat16, comm_dtype="int8", grad_dtype=torch.bfloat16, fsdp_shard=8)
+        acco = engine_memory(numel, world, **settings)  # type: ignore[arg-type]
+        sync = engine_memory(numel, world, schedule="sync", **settings)  # type: ignore[arg-type]
+        hsdp = next(v for k, v in baselines(numel, world, torch.bfloat16, 8).items() if k.startswith("HSDP"))
+        out.append(
+            f"| {params / 1e9:.0f}B, {machines} x 8 | {acco.persistent_bytes / 1e9:.1f} | {acco.peak_bytes / 1e9:.1f} "
+            f"| {sync.persistent_bytes / 1e9:.1f} | {hsdp / 1e9:.1f} |"
+        )
+    return "\n".join(out) + "\n"
