@@ -8,8 +8,8 @@ The public API: ``ACCOTrainer`` / ``ACCOConfig`` (a drop-in for ``transformers.T
 
 import importlib
 
-from hf_acco.comm.communicator import Communicator, check_world_size
-from hf_acco.comm.groups import end_training
+from hf_acco.comm.communicator import Communicator
+from hf_acco.comm.groups import check_world_size, end_training
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.core import (
     ACCOOptimizer,

@@ -24,9 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import os
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,6 +33,7 @@ import torch.distributed as dist
 
 from hf_acco.comm import quant
 from hf_acco.comm.exchange import all_gather_into
+from hf_acco.comm.groups import round_group_options
 from hf_acco.comm.nodes import (
     NodeGroups,
     destroy_groups,
@@ -75,47 +74,6 @@ def is_peer_failure(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
         return False  # this rank's own, also when NCCL reports it (e.g. setting up the round's communicator)
     return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
-
-
-def round_group_options(backend: str, timeout: datetime.timedelta | None = None) -> Any:
-    """Options of the round's own process group: on NCCL its stream gets high priority, so that the round's
-    collectives are scheduled ahead of the compute kernels queued beside them (the round is what hides behind
-    compute; a collective held back by a queue of compute kernels holds up every rank)."""
-    if backend != "nccl" or not dist.is_nccl_available():
-        return None
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
-    if timeout is not None:  # else torch warns that the options' own (10 min) and the group's timeouts differ
-        options._timeout = timeout
-    return options
-
-
-def warn_if_one_hardware_queue(device: torch.device) -> None:
-    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's setting) puts every stream's work in one hardware queue: the
-    round's collectives then run in launch order with Trainer's own, and two ranks that launched them in a
-    different order wait on each other for ever."""
-    if device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        warnings.warn(
-            "CUDA_DEVICE_MAX_CONNECTIONS=1: all CUDA streams share one hardware queue, so ACCO's background round "
-            "cannot overlap compute, and its collectives can deadlock with the main thread's across ranks. Unset it "
-            "(or set it to 8 or more) for ACCO runs.",
-            stacklevel=3,
-        )
-
-
-def check_world_size(expected: int, group: dist.ProcessGroup | None = None) -> None:
-    """Fail with launch instructions if torch.distributed and the launcher disagree on the world size."""
-    actual = dist.get_world_size(group) if dist.is_initialized() else 1
-    launched = int(os.environ.get("WORLD_SIZE", actual))  # what torchrun / accelerate launch started
-    if actual != expected or launched != expected:
-        raise RuntimeError(
-            f"torch.distributed has {actual} ranks and the launcher started {launched} (WORLD_SIZE), but Accelerate "
-            f"reports {expected} processes. "
-            "On CPU, start 2 gloo ranks with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
-            "accelerate_configs/cpu_2proc.yaml ...` (distributed_type MULTI_GPU, num_processes 2) or "
-            "`torchrun --nproc_per_node 2 ...` with `Accelerator(cpu=True)`; MULTI_CPU silently starts one "
-            "process without mpirun."
-        )
 
 
 class Communicator:

@@ -1,10 +1,13 @@
-"""Process-group helpers shared by the Trainer glue and the Accelerate hook (torch only, so that a hand-written
-Accelerate loop does not load transformers)."""
+"""Process-group helpers: the round group's options, the launch checks, and what the Trainer glue and the Accelerate
+hook share (torch only, so that a hand-written Accelerate loop does not load transformers)."""
 
 from __future__ import annotations
 
+import datetime
 import gc
+import os
 import uuid
+import warnings
 from typing import Any
 
 import torch
@@ -55,3 +58,44 @@ def end_training(accelerator: Any, trainer: Any = None) -> None:
     accelerator.free_memory()  # Accelerate's references to what it prepared (the wrapper among them)
     gc.collect()  # a wrapper held only in reference cycles goes now, not at exit
     accelerator.end_training()
+
+
+def round_group_options(backend: str, timeout: datetime.timedelta | None = None) -> Any:
+    """Options of the round's own process group: on NCCL its stream gets high priority, so that the round's
+    collectives are scheduled ahead of the compute kernels queued beside them (the round is what hides behind
+    compute; a collective held back by a queue of compute kernels holds up every rank)."""
+    if backend != "nccl" or not dist.is_nccl_available():
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    if timeout is not None:  # else torch warns that the options' own (10 min) and the group's timeouts differ
+        options._timeout = timeout
+    return options
+
+
+def warn_if_one_hardware_queue(device: torch.device) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's setting) puts every stream's work in one hardware queue: the
+    round's collectives then run in launch order with Trainer's own, and two ranks that launched them in a
+    different order wait on each other for ever."""
+    if device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        warnings.warn(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1: all CUDA streams share one hardware queue, so ACCO's background round "
+            "cannot overlap compute, and its collectives can deadlock with the main thread's across ranks. Unset it "
+            "(or set it to 8 or more) for ACCO runs.",
+            stacklevel=3,
+        )
+
+
+def check_world_size(expected: int, group: dist.ProcessGroup | None = None) -> None:
+    """Fail with launch instructions if torch.distributed and the launcher disagree on the world size."""
+    actual = dist.get_world_size(group) if dist.is_initialized() else 1
+    launched = int(os.environ.get("WORLD_SIZE", actual))  # what torchrun / accelerate launch started
+    if actual != expected or launched != expected:
+        raise RuntimeError(
+            f"torch.distributed has {actual} ranks and the launcher started {launched} (WORLD_SIZE), but Accelerate "
+            f"reports {expected} processes. "
+            "On CPU, start 2 gloo ranks with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
+            "accelerate_configs/cpu_2proc.yaml ...` (distributed_type MULTI_GPU, num_processes 2) or "
+            "`torchrun --nproc_per_node 2 ...` with `Accelerator(cpu=True)`; MULTI_CPU silently starts one "
+            "process without mpirun."
+        )

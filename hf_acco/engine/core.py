@@ -41,18 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_acco.comm.communicator import Communicator, warn_if_one_hardware_queue
+from hf_acco.comm.communicator import Communicator
 from hf_acco.comm.deltas import CHANGE_DTYPES, GATHER_DTYPES, DeltaGather, quantized_settings
+from hf_acco.comm.groups import warn_if_one_hardware_queue
 from hf_acco.comm.quant import ErrorFeedback
 from hf_acco.comm.sharding import FlatLayout, trainable_parameters
-from hf_acco.engine.buffers import (
-    BufferPair,
-    check_grad_dtype,
-    local_data,
-    model_dtype,
-    parse_comm_dtype,
-    parse_wire,
-)
+from hf_acco.engine.buffers import BufferPair, check_grad_dtype, local_data, model_dtype, parse_comm_dtype, parse_wire
 from hf_acco.engine.halves import halves_for, round_ends_soon
 from hf_acco.engine.inflight import RoundInFlight
 from hf_acco.engine.lifecycle import EngineLifecycle

@@ -43,8 +43,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch.utils.data import DataLoader
 
 from accelerate import Accelerator
-from hf_acco.comm.communicator import check_world_size
-from hf_acco.comm.groups import agreed_key, ensure_process_group
+from hf_acco.comm.groups import agreed_key, check_world_size, ensure_process_group
 from hf_acco.comm.module_buffers import BufferSync
 from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
 from hf_acco.engine.core import ACCOOptimizer

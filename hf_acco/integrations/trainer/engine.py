@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from hf_acco.comm.communicator import Communicator, check_world_size
-from hf_acco.comm.groups import ensure_process_group
+from hf_acco.comm.communicator import Communicator
+from hf_acco.comm.groups import check_world_size, ensure_process_group
 from hf_acco.comm.module_buffers import BufferSync, has_running_statistics
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.engine.optim import check_elementwise
