@@ -19,7 +19,7 @@ HP = {"lr": 1e-2, "betas": (0.9, 0.95)}
 MACHINES, PER_MACHINE = 2, 2
 
 
-def _sharded(seed: int = 0, schedule: str = "acco"):  # noqa: ANN202
+def _sharded(seed: int = 0, schedule: str = "acco", **settings):  # noqa: ANN202, ANN003
     """A tiny Llama sharded by FSDP2 over each "machine" (2 ranks), and an engine over the machines."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -30,7 +30,7 @@ def _sharded(seed: int = 0, schedule: str = "acco"):  # noqa: ANN202
         fully_shard(layer, mesh=mesh["dp_shard"])
     fully_shard(model, mesh=mesh["dp_shard"])
     opt = ACCOOptimizer(decay_groups(model, WD), schedule=schedule, micro_batches=MICRO, max_grad_norm=CLIP,
-                        group=mesh.get_group("dp_replicate"), **HP)  # fmt: skip
+                        group=mesh.get_group("dp_replicate"), **HP, **settings)  # fmt: skip
     return model, opt
 
 
@@ -117,7 +117,7 @@ def test_resume_in_this_mode_is_bit_identical(tmp_path) -> None:
 
 
 def _memory(rank: int, world_size: int) -> tuple[list[int], list[int]]:
-    from hf_acco.engine.buffers import local_data
+    from hf_acco.engine.fsdp import local_data
     from hf_acco.tools.memory import engine_memory
 
     model, opt = _sharded()
@@ -143,3 +143,42 @@ def test_the_memory_report_of_this_mode_is_what_the_engine_holds() -> None:
     on an FSDP2 model holds (one FSDP shard's numbers, the rounds over the machines)."""
     for held, report in run_ranks(_memory, world_size=MACHINES * PER_MACHINE, timeout=300):
         assert report == pytest.approx(held, rel=0.01), (held, report)
+
+
+def _refused(rank: int, world_size: int, accumulation: str) -> str:
+    try:
+        _sharded(accumulation=accumulation)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.parametrize("accumulation", ["dynamic", "paced"])
+def test_accumulation_that_differs_between_the_ranks_of_a_machine_is_refused(accumulation: str) -> None:
+    """FSDP's collectives run in lockstep over a machine's ranks: every rank of the job says so, before any
+    collective of the engine's (none waits for the others)."""
+    for message in run_ranks(_refused, world_size=MACHINES * PER_MACHINE, accumulation=accumulation, timeout=120):
+        assert f"accumulation={accumulation!r} with an FSDP2 model" in message and "accumulation='fixed'" in message
+
+
+def _wire(rank: int, world_size: int, comm_dtype: str) -> tuple[list, list]:
+    model, opt = _sharded(schedule="sync", comm_dtype=comm_dtype)
+    _steps(model, opt, rank, 0, STEPS)
+    with opt.committed_parameters():
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        local = [p.to_local().detach().clone() for p in model.parameters()]
+    opt.close()
+    return full, local
+
+
+@pytest.mark.parametrize(("comm_dtype", "bound"), [("bf16", 0.02), ("int8", 0.1)])
+def test_a_narrower_wire_across_machines_trains_the_same_shards(comm_dtype: str, bound: float) -> None:
+    """bf16 or int8 gradients between machines (the flat all-to-all over the replicate group): the ranks of a
+    replicate group stay identical, and the parameters stay near the fp32 reference (6 steps at lr 1e-2: measured
+    0.9 % and 4.6 %; a wrong average or norm is off by far more)."""
+    results = run_ranks(_wire, world_size=MACHINES * PER_MACHINE, comm_dtype=comm_dtype, timeout=300)
+    expected = _reference("sync")
+    for full, _ in results:
+        assert relative_error(full, expected) < bound
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(results[a][1], results[b][1]))

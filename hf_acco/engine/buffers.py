@@ -82,13 +82,6 @@ def check_grad_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, param_dty
         )
 
 
-@torch.no_grad()
-def local_data(p: torch.Tensor) -> torch.Tensor:
-    """What the engine reads and writes of a parameter: the parameter, or, for an FSDP2 (DTensor) parameter, this
-    rank's local shard (a view of the storage FSDP all-gathers from: a write is seen by the next all-gather)."""
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
 def model_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
     """The dtype parameters are all-gathered in: the parameters' common floating dtype, else fp32."""
     dtypes = {p.dtype for p in params}

@@ -13,10 +13,7 @@ The same engine runs the baselines: ``dpu`` (one-step delayed update, one round 
 (reproducible); ``dynamic`` keeps computing micro-batches until the round in flight has finished, or is
 expected to finish within half of this rank's next micro-batch (starting it would hold up the next round).
 
-This module is the facade users call. Each job has a module of its own (``docs/architecture.md``): schedule.py
-(the step machine), halves.py (when a half ends), buffers.py (the buffer pair), rounds.py (a round's body),
-inflight.py (the round in flight), lifecycle.py (eval mode, rendezvous, finalize, close: the facade's base),
-shard_state.py (the shard's state dict), stats.py, comm.py, optim.py.
+This module is the facade users call; each job has a module of its own (``docs/architecture.md``: where is what).
 
 Usage (a hand-written loop; ``loss`` is a mean over the micro-batch, or a sum with ``weight`` = its tokens)::
 
@@ -46,7 +43,8 @@ from hf_acco.comm.deltas import CHANGE_DTYPES, GATHER_DTYPES, DeltaGather, quant
 from hf_acco.comm.groups import warn_if_one_hardware_queue
 from hf_acco.comm.quant import ErrorFeedback
 from hf_acco.comm.sharding import FlatLayout, trainable_parameters
-from hf_acco.engine.buffers import BufferPair, check_grad_dtype, local_data, model_dtype, parse_comm_dtype, parse_wire
+from hf_acco.engine.buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
+from hf_acco.engine.fsdp import check_fsdp, local_data
 from hf_acco.engine.halves import halves_for, round_ends_soon
 from hf_acco.engine.inflight import RoundInFlight
 from hf_acco.engine.lifecycle import EngineLifecycle
@@ -172,6 +170,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         named = trainable_parameters(self.param_groups)
         self._owners = [p for _, p, _ in named]  # where the gradients arrive
         self._params = [local_data(p) for p in self._owners]  # what the engine reads and writes (FSDP2: local shards)
+        check_fsdp(self._owners, self.accumulation.value)
         wire, quantized = parse_wire(comm_dtype, self._params)
         check_grad_dtype(sums, wire, model_dtype(self._params))  # before the first collective, as above
         self.comm = communicator if communicator is not None else Communicator(group)
