@@ -364,3 +364,45 @@ def test_cuda_acco_trainer_trains_saves_and_resumes_bit_identically(tmp_path, sc
     assert all(torch.equal(straight["params"][n], resumed["params"][n]) for n in straight["params"]), "resume moved"
     assert straight["acco_totals"]["steps"] == 12
     assert resumed["log_history"][-2]["acco_optimizer_steps"] == 12  # (the last entry is the run's summary)
+
+
+def cuda_fsdp_train(rank: int, world_size: int, delay: float) -> list[torch.Tensor]:
+    """The engine over an FSDP2 model on one GPU (a 1 x 1 mesh, NCCL): FSDP runs the gradient hooks on its own
+    reduce-scatter stream, so the accumulation is written there; the main stream waits for it at the end of each
+    backward (``is_last_backward``), before the boundary hands the sums to a round."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = tiny_llama().cuda()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5,
+                        communicator=DelayedCommunicator(delay, collectives_at_world_size_1=True), **HP)  # fmt: skip
+    for t in range(STEPS):
+        for i in range(MICRO):
+            b = {k: v.cuda() for k, v in batch(0, t * MICRO + i).items()}
+            mean_loss(model, b)[0].backward()
+            opt.after_backward()
+        opt.step()
+    with opt.committed_parameters():
+        out = [p.full_tensor().detach().cpu().clone() for p in model.parameters()]
+    opt.close()
+    return out
+
+
+def test_cuda_acco_over_an_fsdp2_model_matches_the_reference_whatever_the_round_timing() -> None:
+    runs = [
+        run_ranks(cuda_fsdp_train, world_size=1, backend="nccl", start_method="spawn", timeout=300, delay=d)[0]
+        for d in (0.0, 0.05)
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))  # no stream dependency missing
+    model = tiny_llama()
+    ref = Reference(model, decay_groups(model, 0.1), torch.optim.AdamW, 0.5, mean_loss, **HP)
+    plan = [
+        [([batch(0, t * MICRO + i) for i in range(2)], [batch(0, t * MICRO + i) for i in range(2, 4)])]
+        for t in range(STEPS)
+    ]
+    assert relative_error(runs[0], run_acco(ref, plan)[-1]) < 1e-4
