@@ -278,3 +278,34 @@ def test_the_multinode_benchmark_predicts_each_run_from_its_nodes(tmp_path):
     assert all(r["predicted_step_time_s"] > 0 for r in again["runs"]) and (tmp_path / "out" / "table.md").exists()
     with pytest.raises(SystemExit):
         multinode.main(["--nodes", "1"])
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv", "said"),
+    [
+        ("plan", ["--params=-1e9", "--world_size", "8", "--micro_batch_s", "0.3"], "argument --params: must be > 0"),
+        ("plan", ["--params", "1e9", "--world_size", "0", "--micro_batch_s", "0.3"], "--gpus: must be >= 1"),
+        ("plan", ["--params", "1e9", "--world_size", "8", "--micro_batch_s", "-0.3"], "--micro_batch_s: must be > 0"),
+        ("plan", ["--params", "1e9", "--world_size", "8", "--micro_batch_s", "0.3", "--micro_batches", "0"],
+         "--micro_batches: must be >= 1"),
+        ("plan", ["--params", "1e9", "--world_size", "12", "--micro_batch_s", "0.3"],
+         "--world_size (12) is whole nodes of --gpus_per_node (8)"),
+        ("plan", ["--params", "1e9", "--world_size", "8", "--micro_batch_s", "0.3", "--efficiency", "2"],
+         "--efficiency: is a share of the link rate, in (0, 1]"),
+        ("plan", ["--params", "many", "--world_size", "8", "--micro_batch_s", "0.3"], "expected a number, got 'many'"),
+        ("memory", ["--params=-7e9"], "argument --params: must be > 0"),
+        ("memory", ["--params", "7e9", "--world_size", "0"], "argument --world_size: must be >= 1"),
+        ("memory", ["--params", "7e9", "--gpus_per_node", "0"], "argument --gpus_per_node: must be >= 1"),
+        ("memory", ["--params", "7e9", "--world_size", "8", "--fsdp_shard", "3"], "3 does not divide 8"),
+        ("memory", ["--params", "7e9", "--world_size", "12"], "--world_size (12) is whole machines of"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_naming_the_flag_and_exit_code_2(tool: str, argv: list[str], said: str, capsys) -> None:
+    from hf_acco.tools import memory
+    from hf_acco.tools.plan import cli
+
+    with pytest.raises(SystemExit) as exited:
+        (cli.main if tool == "plan" else memory.main)(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and said in err and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(f"python -m hf_acco.{tool}: error: ")

@@ -46,6 +46,7 @@ from hf_acco.comm.nodes import machines
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
 from hf_acco.engine.optim import estimate_window
+from hf_acco.tools.cli_types import POSITIVE_FLOAT, POSITIVE_INT
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_STATE_PER_ELEMENT = 2  # exp_avg, exp_avg_sq
@@ -289,9 +290,11 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hf_acco.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--params", type=float, required=True, help="trainable parameters, e.g. 7e9")
-    p.add_argument("--world_size", type=int, default=8)
-    p.add_argument("--gpus_per_node", type=int, default=8, help="ranks per machine (pinned host memory per node)")
+    p.add_argument("--params", type=POSITIVE_FLOAT, required=True, help="trainable parameters, e.g. 7e9")
+    p.add_argument("--world_size", type=POSITIVE_INT, default=8)
+    p.add_argument(
+        "--gpus_per_node", type=POSITIVE_INT, default=8, help="ranks per machine (pinned host memory per node)"
+    )
     p.add_argument("--param_dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument(
         "--comm_dtype",
@@ -307,7 +310,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--optimizer", choices=OPTIMIZERS, default="fused", help="the inner AdamW (Trainer's default: fused)"
     )
     p.add_argument(
-        "--fsdp_shard", type=int, default=1,
+        "--fsdp_shard", type=POSITIVE_INT, default=1,
         help="ranks of each machine that shard the model with FSDP2, ACCO across machines (docs/hsdp.md)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
@@ -326,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     if args.error_feedback and args.comm_dtype != "int8":
         p.error("--error_feedback is for int8 gradients: add --comm_dtype int8")
+    if args.world_size > args.gpus_per_node and args.world_size % args.gpus_per_node:
+        p.error(f"--world_size ({args.world_size}) is whole machines of --gpus_per_node ({args.gpus_per_node}) GPUs")
     if args.fsdp_shard > 1 and args.world_size % args.fsdp_shard:
         p.error(f"--world_size is machines x --fsdp_shard: {args.fsdp_shard} does not divide {args.world_size}")
     report = engine_memory(

@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, replace
 from typing import Any
 
+from hf_acco.tools.cli_types import NONNEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
 from hf_acco.tools.plan import model as _model
 from hf_acco.tools.plan.model import (
     CHANGES,
@@ -130,44 +131,58 @@ def examples_table() -> str:
     return "\n".join(lines) + "\n\n```bash\n" + "\n".join(commands) + "\n```\n"
 
 
+def EFFICIENCY(text: str) -> float:  # noqa: N802 - an argparse type, named as the others
+    """A share of the link rate: in (0, 1]."""
+    value = POSITIVE_FLOAT(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"is a share of the link rate, in (0, 1], got {text}")
+    return value
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_acco.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--params", type=float, help="trainable parameters, e.g. 1.3e9 (required)")
+    p.add_argument("--params", type=POSITIVE_FLOAT, help="trainable parameters, e.g. 1.3e9 (required)")
     p.add_argument(
-        "--world_size", "--gpus", dest="gpus", type=int, help="GPUs (ranks) of the job, all nodes together (required)"
+        "--world_size",
+        "--gpus",
+        dest="gpus",
+        type=POSITIVE_INT,
+        help="GPUs (ranks) of the job, all nodes together (required)",
     )
-    p.add_argument("--gpus_per_node", type=int, default=8)
+    p.add_argument("--gpus_per_node", type=POSITIVE_INT, default=8)
     p.add_argument(
         "--intra_gbit",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=3600.0,
         help="Gbit/s each way per GPU inside a node (default: H100 NVLink 4, 450 GB/s each way; A100 NVLink 3: "
         "2400; PCIe 4.0 x16: about 200)",
     )
     p.add_argument(
         "--inter_gbit",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=100.0,
         help="Gbit/s each way per node between nodes, all its NICs together (8 x 400 Gbit/s InfiniBand: 3200)",
     )
     p.add_argument(
         "--micro_batch_s",
-        type=float,
+        type=POSITIVE_FLOAT,
         nargs="+",
         default=None,
         help="forward + backward of one micro-batch; one value, or one per GPU group with --group_gpus",
     )
     p.add_argument(
         "--group_gpus",
-        type=int,
+        type=POSITIVE_INT,
         nargs="+",
         default=None,
         help="GPUs of each --micro_batch_s (a mixed cluster: --micro_batch_s 0.12 0.2 --group_gpus 16 16)",
     )
-    p.add_argument("--tokens_per_s", type=float, default=None, help="instead of --micro_batch_s: per GPU")
-    p.add_argument("--micro_batch_tokens", type=int, default=16384, help="tokens of one micro-batch (8 x 2048)")
-    p.add_argument("--micro_batches", type=int, default=8, help="per GPU per step: the most the plan may use")
+    p.add_argument("--tokens_per_s", type=POSITIVE_FLOAT, default=None, help="instead of --micro_batch_s: per GPU")
+    p.add_argument(
+        "--micro_batch_tokens", type=POSITIVE_INT, default=16384, help="tokens of one micro-batch (8 x 2048)"
+    )
+    p.add_argument("--micro_batches", type=POSITIVE_INT, default=8, help="per GPU per step: the most the plan may use")
     p.add_argument(
         "--param_dtype",
         "--model_dtype",
@@ -201,8 +216,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="nccl: rings, alpha NCCL_ALPHA_US (stated: the benchmark runs gloo); gloo: the engine's "
         "all-to-all reduce-scatter, the fitted alpha",
     )
-    p.add_argument("--alpha_us", type=float, default=None, help="the latency per ring step (overrides --backend's)")
-    p.add_argument("--efficiency", type=float, default=None, help="override the fitted share of the link rate")
+    p.add_argument(
+        "--alpha_us", type=NONNEGATIVE_FLOAT, default=None, help="the latency per ring step (overrides --backend's)"
+    )
+    p.add_argument("--efficiency", type=EFFICIENCY, default=None, help="override the fitted share of the link rate")
     p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.tools.bench.scaling`")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.add_argument("--quiet", action="store_true", help="print nothing (for callers that read the returned dict)")
@@ -212,6 +229,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
     if args.params is None or args.gpus is None:
         parser.error("state --params (trainable parameters) and --world_size (GPUs, all nodes together)")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        parser.error(f"--world_size ({args.gpus}) is whole nodes of --gpus_per_node ({args.gpus_per_node}) GPUs")
     if (args.micro_batch_s is None) == (args.tokens_per_s is None):
         parser.error("state one of --micro_batch_s (seconds per micro-batch) or --tokens_per_s (per GPU)")
     times = args.micro_batch_s or [args.micro_batch_tokens / args.tokens_per_s]
