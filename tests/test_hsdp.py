@@ -11,7 +11,7 @@ import torch
 from hf_acco import ACCOOptimizer
 from hf_acco.tools.multiprocess import run_ranks
 
-from .models import batch, decay_groups, mean_loss, tiny_llama
+from .models import batch, decay_groups, mean_loss, tiny_llama, token_sum_loss
 from .reference import Reference, relative_error, run_acco, run_sync
 
 STEPS, MICRO, CLIP, WD = 6, 4, 0.1, 0.1  # a clip that bites (the norms are about 0.3)
@@ -34,11 +34,12 @@ def _sharded(seed: int = 0, schedule: str = "acco", **settings):  # noqa: ANN202
     return model, opt
 
 
-def _steps(model, opt, rank: int, start: int, stop: int) -> list:  # noqa: ANN001
+def _steps(model, opt, rank: int, start: int, stop: int, tokens: bool = False) -> list:  # noqa: ANN001
+    """``tokens``: a loss summed over the label tokens of a masked batch, weighted by them (a weight per rank)."""
     norms = []
     for t in range(start, stop):
         for i in range(MICRO):
-            loss, weight = mean_loss(model, batch(rank, t * MICRO + i))
+            loss, weight = (token_sum_loss if tokens else mean_loss)(model, batch(rank, t * MICRO + i, tokens))
             loss.backward()
             opt.after_backward(weight)
         opt.step()
@@ -47,9 +48,9 @@ def _steps(model, opt, rank: int, start: int, stop: int) -> list:  # noqa: ANN00
     return norms
 
 
-def _hsdp_acco(rank: int, world_size: int, schedule: str) -> dict:
+def _hsdp_acco(rank: int, world_size: int, schedule: str, tokens: bool = False) -> dict:
     model, opt = _sharded(schedule=schedule)
-    norms = _steps(model, opt, rank, 0, STEPS)
+    norms = _steps(model, opt, rank, 0, STEPS, tokens)
     with opt.committed_parameters():
         full = [p.full_tensor().detach().clone() for p in model.parameters()]
         local = [p.to_local().detach().clone() for p in model.parameters()]
@@ -58,13 +59,14 @@ def _hsdp_acco(rank: int, world_size: int, schedule: str) -> dict:
     return {"full": full, "local": local, "norms": norms, "grads_none": all(g is None for g in grads)}
 
 
-def _reference(schedule: str) -> list[torch.Tensor]:
+def _reference(schedule: str, tokens: bool = False) -> list[torch.Tensor]:
     model = tiny_llama()
-    ref = Reference(model, decay_groups(model, WD), torch.optim.AdamW, CLIP, mean_loss, **HP)
+    loss = token_sum_loss if tokens else mean_loss
+    ref = Reference(model, decay_groups(model, WD), torch.optim.AdamW, CLIP, loss, **HP)
     ranks = range(MACHINES * PER_MACHINE)
 
     def mbs(r: int, t: int, lo: int, hi: int) -> list:
-        return [batch(r, t * MICRO + i) for i in range(lo, hi)]
+        return [batch(r, t * MICRO + i, tokens) for i in range(lo, hi)]
 
     if schedule == "acco":
         half = MICRO // 2
@@ -72,13 +74,14 @@ def _reference(schedule: str) -> list[torch.Tensor]:
     return run_sync(ref, [[mbs(r, t, 0, MICRO) for r in ranks] for t in range(STEPS)])[-1]
 
 
-@pytest.mark.parametrize("schedule", ["sync", "acco"])
-def test_fsdp_inside_machines_acco_across_equals_the_reference(schedule: str) -> None:
+@pytest.mark.parametrize(("schedule", "tokens"), [("sync", False), ("acco", False), ("sync", True), ("acco", True)])
+def test_fsdp_inside_machines_acco_across_equals_the_reference(schedule: str, tokens: bool) -> None:
     """The global mean gradient (FSDP's average over a machine, the rounds' over machines), the global norm for
     clipping (over both dimensions), every shard stepped: the parameters equal the single-process reference's; the
-    ranks of one replicate group hold the same shard, bit for bit."""
-    results = run_ranks(_hsdp_acco, world_size=MACHINES * PER_MACHINE, schedule=schedule, timeout=300)
-    expected = _reference(schedule)
+    ranks of one replicate group hold the same shard, bit for bit. With token-summed losses each rank has its own
+    weight: every part divides by the world's (FSDP averaged each rank's gradient over its machine)."""
+    results = run_ranks(_hsdp_acco, world_size=MACHINES * PER_MACHINE, schedule=schedule, tokens=tokens, timeout=300)
+    expected = _reference(schedule, tokens)
     for r in results:
         assert relative_error(r["full"], expected) < 1e-5
         assert r["grads_none"]
@@ -182,3 +185,20 @@ def test_a_narrower_wire_across_machines_trains_the_same_shards(comm_dtype: str,
         assert relative_error(full, expected) < bound
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(x, y) for x, y in zip(results[a][1], results[b][1]))
+
+
+def _replaced(rank: int, world_size: int) -> str:
+    model, opt = _sharded()
+    model.double()  # FSDP re-shards into new local tensors: the engine's views are no longer what FSDP reads
+    try:
+        _steps(model, opt, rank, 0, 1)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        opt.close()
+    return "trained"
+
+
+def test_local_shards_replaced_after_the_engine_was_built_are_refused() -> None:
+    for message in run_ranks(_replaced, world_size=MACHINES * PER_MACHINE, timeout=120):
+        assert "FSDP replaced the local shard of" in message and "build the optimizer after them" in message

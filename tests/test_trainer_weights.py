@@ -201,3 +201,24 @@ def test_token_counting_reads_the_device_once_per_half_not_per_micro_batch(tmp_p
     got = run_ranks(_host_reads, world_size=2, backend=None, argv=argv, timeout=180)[0]["reads"]
     boundary = [0, 1, 0, 0] if schedule == "acco" else [0, 0, 0, 0]
     assert got == boundary * 3, got
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3, 6])
+def test_a_weight_kept_on_the_device_is_the_host_weight_bit_for_bit(processes: int) -> None:
+    """The device path of micro_batch_weight (a float64 tensor) against the host path (Python floats), for every
+    token count of a window up to 300, this micro-batch's labels from 0 to all, and the empty window."""
+    from types import SimpleNamespace
+
+    from hf_acco.integrations.trainer import weights
+
+    trainer = SimpleNamespace(
+        loss_is_scaled_for_ga=True, model_accepts_loss_kwargs=True, compute_loss_func=None,
+        current_gradient_accumulation_steps=4, args=SimpleNamespace(average_tokens_across_devices=True),
+        accelerator=SimpleNamespace(num_processes=processes), get_tp_size=lambda: 1,
+    )  # fmt: skip
+    for window in range(0, 300, 7):
+        for mine in sorted({0, 1, window // 3, window}):
+            trainer.count_label_tokens = lambda inputs, n=mine: torch.tensor(n)
+            on_device, share = weights.micro_batch_weight(trainer, {}, torch.tensor(window), 0.5, paced=False)
+            on_host, host_share = weights.micro_batch_weight(trainer, {}, window, 0.5, paced=False)
+            assert float(on_device) == on_host and share == host_share, (window, mine)

@@ -143,8 +143,13 @@ class Communicator:
         # that group hold one FSDP shard of the model (a part of the world), over the whole world (its own group: the
         # round's thread never shares a group with the main thread's collectives)
         self.norm_group = self.group
+        self.weight_group: dist.ProcessGroup | None = None
         if self._parts is not None:
             self.norm_group = dist.new_group(None, timeout=timeout, pg_options=options())
+            warm_groups(backend, self.norm_group)  # (NCCL: its communicator made here, not on the round's thread)
+            # each rank's gradient is its machine's average (FSDP), so a round divides by the world's weight over
+            # the parts: every part the same divisor (the same branch where it is 0), whatever each rank's tokens
+            self.weight_group = dist.new_group(None, timeout=timeout, backend="gloo")
         # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
         # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
         self.host_group = self.group
@@ -222,7 +227,7 @@ class Communicator:
             if self.two_level is not None:
                 self.two_level.destroy()
                 self.two_level = None
-            destroy_groups(self.host_group, self.norm_group, self.group)
+            destroy_groups(self.host_group, self.norm_group, self.weight_group, self.group)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
 
@@ -266,6 +271,10 @@ class Communicator:
         """The sums over ranks of a few numbers, on the host group (no device memory, no device sync)."""
         tensor = torch.tensor(counts, dtype=torch.float64)
         dist.all_reduce(tensor, group=self.host_group)
+        if self.weight_group is not None and self._parts is not None:  # the first number is the weight
+            weight = torch.tensor(counts[:1], dtype=torch.float64)
+            dist.all_reduce(weight, group=self.weight_group)
+            tensor[0] = weight[0] / len(self._parts)
         return tensor.tolist()
 
     def check_same_everywhere(self, values: list[float], device: torch.device, message: str) -> None:

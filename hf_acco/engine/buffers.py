@@ -222,6 +222,13 @@ class BufferPair:
             _OWNERS[id(p)] = weakref.ref(self)
 
     def check_devices(self) -> None:
+        if self.owners is not self.params:  # FSDP2: the local shards the engine writes must be those FSDP reads
+            for owner, p, name in zip(self.owners, self.params, self.layout.names):
+                if isinstance(owner, DTensor) and owner.to_local().data_ptr() != p.data_ptr():
+                    raise RuntimeError(
+                        f"FSDP replaced the local shard of {name} after the ACCO optimizer was built (a .to(), "
+                        ".cuda(), or load_state_dict(assign=True) on the model): build the optimizer after them."
+                    )
         for p, name in zip(self.params, self.layout.names):
             if p.device != self.device:
                 raise RuntimeError(

@@ -62,7 +62,8 @@ def micro_batch_weight(
         # Trainer's counts are on the device: the weight stays there (float64, as the host's floats), read by the
         # engine once per half, not here (two host synchronisations per micro-batch)
         items = num_items_in_batch.to(torch.float64)
-        weight = torch.as_tensor(tokens, dtype=torch.float64, device=items.device) * (processes / items.clamp(min=1))
+        per_item = torch.full_like(items, processes).div_(items.clamp(min=1))  # rounded once, as processes / float(n)
+        weight = torch.as_tensor(tokens, dtype=torch.float64, device=items.device) * per_item
         return torch.where(items == 0, torch.full_like(weight, empty), weight), share
     if float(num_items_in_batch) == 0:
         return empty, share
