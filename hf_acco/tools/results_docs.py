@@ -35,6 +35,7 @@ def gpu_status(gpu: str = "nvidia_h200") -> str:
     runs, v = result["runs"], result["verdicts"]
     base = runs["trainer_bf16"]
     params = base["params"] / 1e9
+    gap = max(abs(runs[m]["final_loss"] / base["final_loss"] - 1) for m in ("acco_acco", "acco_sync"))
     s = result["settings"]
     return (
         f"On one {result['gpu']} (torch {result['torch']}, CUDA {result['cuda']}, transformers "
@@ -43,7 +44,8 @@ def gpu_status(gpu: str = "nvidia_h200") -> str:
         + f". `ACCOTrainer` on a {params:.2f}B-parameter Llama (bf16 weights, sequences of {s['seq']}, "
         f"{s['micro_batches']} micro-batches of {s['batch']} per step): a step took "
         f"{v['acco_acco_vs_trainer_bf16']['ratio']:.2f}x (`acco`) and {v['acco_sync_vs_trainer_bf16']['ratio']:.2f}x "
-        f"(`sync`) `Trainer`'s pure-bf16 step ({base['step_s']:.3f} s), the same loss; the memory held at a step "
+        f"(`sync`) `Trainer`'s pure-bf16 step ({base['step_s']:.3f} s), the final loss within {100 * gap:.2f} % of "
+        f"`Trainer`'s; the memory held at a step "
         f"end was within {100 * v['acco_acco_memory']['gap']:.1f} % of `python -m hf_acco.memory`'s figure.\n"
     )
 
