@@ -199,3 +199,22 @@ def test_fsdp_inside_machines_for_70b_34b_13b_on_machines_of_8() -> None:
         48.1, abs=0.05
     )
     assert all(v < big["persistent_bytes"] for v in lower.values())
+
+
+def test_a_gpu_size_gets_a_verdict_and_what_would_hold_less(capsys) -> None:
+    """7B on 8 ranks in an 80 GiB GPU: bf16 weights fit (the peak leaves room for activations), fp32 weights for a
+    bf16 run do not, and the report says that loading them in bf16 holds the bf16 run's bytes."""
+    from hf_acco.tools import memory
+
+    def report(*flags: str) -> dict:
+        memory.main(["--params", "7e9", "--world_size", "8", "--gpu_gib", "80", "--json", *flags])
+        return json.loads(capsys.readouterr().out)
+
+    bf16, fp32 = report("--param_dtype", "bf16"), report("--param_dtype", "fp32")
+    assert bf16["fits"] and bf16["left_for_activations_bytes"] == 80 * 2**30 - bf16["peak_bytes"]
+    assert not fp32["fits"] and fp32["left_for_activations_bytes"] < 0
+    lower = fp32["lower_persistent_bytes"]
+    loaded_in_bf16 = next(v for k, v in lower.items() if k.startswith("--param_dtype bf16"))
+    assert loaded_in_bf16 == bf16["persistent_bytes"]
+    memory.main(["--params", "7e9", "--world_size", "8", "--param_dtype", "fp32", "--gpu_gib", "80"])
+    assert "Does not fit a GPU of 80 GiB" in capsys.readouterr().out

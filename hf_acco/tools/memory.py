@@ -313,6 +313,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--fsdp_shard", type=POSITIVE_INT, default=1,
         help="ranks of each machine that shard the model with FSDP2, ACCO across machines (docs/hsdp.md)",
     )  # fmt: skip
+    p.add_argument(
+        "--gpu_gib", type=POSITIVE_FLOAT, default=None,
+        help="the GPU's memory in GiB (an 80 GB GPU: 80): says whether the engine's peak fits and what is left",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     return p
 
@@ -344,8 +348,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.fsdp_shard > 1:
         settings["fsdp_shard"] = args.fsdp_shard
     lower = lower_settings(args, numel, param, wire, grad, report.persistent_bytes)
+    left = None if args.gpu_gib is None else int(args.gpu_gib * GIB) - report.peak_bytes
     if not args.json:
         print(table(report, numel, args.world_size, param, settings, args.gpus_per_node, args.fsdp_shard))
+        if left is not None:
+            print(f"\n{verdict(left, args.gpu_gib)}")
         if lower:
             print("\nWhat would lower the persistent bytes per rank:")
             print("\n".join(f"- {k}: {_gb(n)}" for k, n in lower.items()))
@@ -363,7 +370,20 @@ def main(argv: list[str] | None = None) -> None:
     out.update(host=report.host, host_transient=report.host_transient)
     out["baselines_persistent_bytes"] = baselines(numel, args.world_size, param, args.fsdp_shard)
     out["lower_persistent_bytes"] = lower
+    if left is not None:
+        out.update(gpu_gib=args.gpu_gib, fits=left > 0, left_for_activations_bytes=left)
     print(json.dumps(out))
+
+
+def verdict(left: int, gpu_gib: float) -> str:
+    """Whether the engine's peak leaves room in a GPU of ``gpu_gib``: what remains is for the activations, the
+    CUDA context, NCCL and the allocator's fragmentation (a few GiB of which are never the user's)."""
+    if left > 0:
+        return (
+            f"Fits a GPU of {gpu_gib:g} GiB: {_gb(left)} left for the activations (and the CUDA context, NCCL and "
+            "fragmentation: a few GiB)."
+        )
+    return f"Does not fit a GPU of {gpu_gib:g} GiB: {_gb(-left)} over, before any activation."
 
 
 def lower_settings(
@@ -377,13 +397,17 @@ def lower_settings(
         "--schedule sync (one buffer: no round runs beside the next micro-batches)": {"schedule": "sync"},
         "--grad_dtype bf16 (bf16 sums, model in bf16)": {"grad_dtype": torch.bfloat16},
     }
+    if param == torch.float32:  # fp32 weights for a bf16 run: the model, its sums and its wire twice the size
+        bf16 = {"param_dtype": torch.bfloat16} | ({"comm_dtype": torch.bfloat16} if args.comm_dtype == "auto" else {})
+        changes["--param_dtype bf16 (load the weights in bf16: torch_dtype=torch.bfloat16)"] = bf16
     if args.world_size > args.fsdp_shard:
         changes["twice the machines (--world_size x 2)"] = {}
     out = {}
     for name, change in changes.items():
         world = args.world_size * (2 if name.startswith("twice") else 1)
         try:
-            check_grad_dtype(change.get("grad_dtype", grad), param if isinstance(wire, str) else wire, param)
+            model, sent = change.get("param_dtype", param), change.get("comm_dtype", wire)
+            check_grad_dtype(change.get("grad_dtype", grad), model if isinstance(sent, str) else sent, model)
             held = engine_memory(numel, world, **{**base, **change}).persistent_bytes
         except ValueError:
             continue
