@@ -227,18 +227,9 @@ def run_code(code: Path, cfg: dict) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = [
-        "| code | schedule | gradient hooks | step boundaries | rounds | total | ZeRO-1 minimum | total / minimum |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results["runs"]:
-        b, least = r["bytes_per_param_step"], r["zero1_minimum"]
-        total = sum(b[p] for p in PHASES)
-        rows.append(
-            f"| {r['code']} | {r['schedule']} | {b['hooks']:.1f} | {b['boundaries']:.1f} | {b['rounds']:.1f} "
-            f"| {total:.1f} | {least['total']:.1f} | {total / least['total']:.2f}x |"
-        )
-    return "\n".join(rows) + "\n"
+    from hf_acco.tools.results_docs import traffic_rows
+
+    return "\n".join(traffic_rows(results)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

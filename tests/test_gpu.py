@@ -381,12 +381,7 @@ def cuda_fsdp_train(rank: int, world_size: int, delay: float) -> list[torch.Tens
     fully_shard(model, mesh=mesh["dp_shard"])
     opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5,
                         communicator=DelayedCommunicator(delay, collectives_at_world_size_1=True), **HP)  # fmt: skip
-    for t in range(STEPS):
-        for i in range(MICRO):
-            b = {k: v.cuda() for k, v in batch(0, t * MICRO + i).items()}
-            mean_loss(model, b)[0].backward()
-            opt.after_backward()
-        opt.step()
+    _cuda_steps(model, opt, 0, STEPS)
     with opt.committed_parameters():
         out = [p.full_tensor().detach().cpu().clone() for p in model.parameters()]
     opt.close()

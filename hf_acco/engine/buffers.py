@@ -325,7 +325,6 @@ class BufferPair:
     def initial_shard(self, comm: Any, rank: int) -> torch.Tensor:
         """This rank's fp32 shard of the model's parameters (staged in ``accum``, which is zero again after). With
         a communicator, rank 0's parameters are broadcast first and loaded into every rank's model."""
-        self._zero_unwritten()  # the padding too: it goes into the master shard
         flat = self.model_to(self.accum)  # exact: the model's dtype is no wider than the sums'
         if comm is not None:
             comm.broadcast(flat)  # identical initial parameters on every rank

@@ -86,29 +86,39 @@ def gpu_check_table(gpu: str = "nvidia_h200") -> str:
     return "\n".join(out) + "\n"
 
 
-def traffic_table(folder: str = "recipes/results/engine/traffic") -> str:
-    """``benchmarks/engine_traffic.py``: bytes per parameter and step by phase, beside the ZeRO-1 minimum, and
-    what the latest code spends above it, by operation."""
-    result = json.loads((ROOT / folder / "traffic.json").read_text())
-    phases = ("hooks", "boundaries", "rounds")
+TRAFFIC_PHASES = ("hooks", "boundaries", "rounds")
+
+
+def traffic_rows(result: dict) -> list[str]:
+    """The table of ``benchmarks/engine_traffic.py``'s results (what it prints, and what the docs render)."""
     out = [
-        f"`{result['command']}` ({result['settings']['world_size']} gloo ranks, "
-        f"{result['settings']['micro_batches']} micro-batches per step, a bf16 model), bytes per parameter and step:",
-        "",
         "| code | schedule | gradient hooks | step boundaries | rounds | engine total | ZeRO-1 minimum "
         "| total / minimum |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["runs"]:
         b, least = r["bytes_per_param_step"], r["zero1_minimum"]
-        total = sum(b[p] for p in phases)
+        total = sum(b[p] for p in TRAFFIC_PHASES)
         out.append(
             f"| {r['code']} | {r['schedule']} | {b['hooks']:.1f} | {b['boundaries']:.1f} | {b['rounds']:.1f} "
             f"| {total:.1f} | {least['total']:.1f} | {total / least['total']:.2f}x |"
         )
+    return out
+
+
+def traffic_table(folder: str = "recipes/results/engine/traffic") -> str:
+    """``benchmarks/engine_traffic.py``: bytes per parameter and step by phase, beside the ZeRO-1 minimum, and
+    what the latest code spends above it, by operation."""
+    result = json.loads((ROOT / folder / "traffic.json").read_text())
+    out = [
+        f"`{result['command']}` ({result['settings']['world_size']} gloo ranks, "
+        f"{result['settings']['micro_batches']} micro-batches per step, a bf16 model), bytes per parameter and step:",
+        "",
+        *traffic_rows(result),
+    ]
     out += ["", "The latest code's operations, bytes per parameter and step:", ""]
     for r in result["runs"][-2:]:
-        for phase in phases:
+        for phase in TRAFFIC_PHASES:
             ops = ", ".join(f"`{k}` {v:.1f}" for k, v in r["ops"][phase].items() if v >= 0.05)
             out.append(f"- {r['schedule']}, {phase}: {ops}")
     return "\n".join(out) + "\n"
