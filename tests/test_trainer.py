@@ -265,7 +265,7 @@ def test_dynamic_accumulation_resumes_mid_epoch_on_the_same_or_another_number_of
     [
         ({"fp16": True}, "does not support fp16"),
         ({"deepspeed": {"zero_optimization": {"stage": 1}}}, "do not combine it with DeepSpeed"),
-        ({"fsdp": "full_shard"}, "cannot run under FSDP"),
+        ({"fsdp": "full_shard", "fsdp_config": {"version": 1}}, "runs inside FSDP2 only"),
         ({"gradient_accumulation_steps": 1, "per_device_train_batch_size": 1}, "one sample .* cannot be split"),
         ({"acco_schedule": "zero"}, "schedule must be one of"),
         ({"acco_accumulation": "elastic"}, "acco_accumulation must be one of 'fixed', 'paced', 'dynamic'"),

@@ -271,10 +271,11 @@ class Communicator:
         """The sums over ranks of a few numbers, on the host group (no device memory, no device sync)."""
         tensor = torch.tensor(counts, dtype=torch.float64)
         dist.all_reduce(tensor, group=self.host_group)
-        if self.weight_group is not None and self._parts is not None:  # the first number is the weight
-            weight = torch.tensor(counts[:1], dtype=torch.float64)
-            dist.all_reduce(weight, group=self.weight_group)
-            tensor[0] = weight[0] / len(self._parts)
+        if self.weight_group is not None and self._parts is not None:  # the first two: weight and micro-batches
+            world = torch.tensor(counts[:2], dtype=torch.float64)
+            dist.all_reduce(world, group=self.weight_group)  # every rank's micro-batches: the global count
+            tensor[:2] = world
+            tensor[0] /= len(self._parts)  # the weight over a part's ranks (see weight_group)
         return tensor.tolist()
 
     def check_same_everywhere(self, values: list[float], device: torch.device, message: str) -> None:

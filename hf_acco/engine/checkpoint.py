@@ -20,6 +20,7 @@ import torch
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.engine.shard_state import reshard
 
+_PART_RE = re.compile(r"fsdp_shard(\d+)_of_(\d+)$")
 _SHARD_RE = re.compile(r"^acco_optimizer_rank(\d+)_of_(\d+)\.pt$")
 
 
@@ -107,6 +108,9 @@ def missing_shards(
     """Why the shard set in ``directory`` is incomplete for ``ranks`` of a run on ``world_size`` ranks (every rank's
     shard when they are not given, or when the checkpoint has another world size: re-sharding reads them all), or
     None. A per-node checkpoint (``save_on_each_node``, no shared file system) holds only its node's ranks."""
+    parts = _part_folders(Path(directory))
+    if parts:  # FSDP inside machines: a set of shards per FSDP shard index, each complete on its own
+        return _missing_parts(parts)
     found = shard_files(directory)
     if not found:
         return "the ACCO optimizer shards acco_optimizer_rank*_of_*.pt (written by plain Trainer, or save_only_model?)"
@@ -122,6 +126,30 @@ def missing_shards(
             "(python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...), or resume on the same number of ranks"
         )
     return f"the optimizer shards of ranks {missing} (of {world})" if missing else None
+
+
+def _part_folders(directory: Path) -> dict[int, dict[int, Path]]:
+    """The ``fsdp_shard{k}_of_{K}`` folders in ``directory`` (see ``part_directory``): {K: {k: path}}."""
+    found: dict[int, dict[int, Path]] = {}
+    for f in directory.glob("fsdp_shard*_of_*") if directory.is_dir() else []:
+        m = _PART_RE.match(f.name)
+        if m and f.is_dir():
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
+    return found
+
+
+def _missing_parts(parts: dict[int, dict[int, Path]]) -> str | None:
+    if len(parts) > 1:
+        return f"a single set of FSDP shard folders (it has several counts {sorted(parts)})"
+    ((count, folders),) = parts.items()
+    missing = sorted(set(range(count)) - set(folders))
+    if missing:
+        return f"the folders of FSDP shards {missing} (of {count})"
+    for k in sorted(folders):
+        why = missing_shards(folders[k])
+        if why:
+            return f"{why} in {folders[k].name}"
+    return None
 
 
 def gather_shards(sources: list[str | os.PathLike], into: str | os.PathLike) -> list[Path]:

@@ -289,16 +289,17 @@ def check_supported(args: TrainingArguments) -> None:
             "ACCO is its own ZeRO-1 sharded optimizer: do not combine it with DeepSpeed. Remove `deepspeed`, or use "
             "transformers.Trainer with DeepSpeed instead."
         )
-    if args.fsdp:
+    fsdp_config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}  # (a file name before post-init)
+    if args.fsdp and int(fsdp_config.get("version", 2)) != 2:
         raise ValueError(
-            "ACCO shards the optimizer state (ZeRO-1) and keeps full parameters on every rank: it cannot run under "
-            "FSDP. Remove `fsdp`, or use transformers.Trainer with FSDP for models that do not fit on one device."
+            "ACCO runs inside FSDP2 only (FSDP inside each machine, ACCO across machines); FSDP1 shards flat "
+            "parameters ACCO cannot address. Set fsdp_config={'version': 2}."
         )
     parallelism = getattr(args, "parallelism_config", None)
     if parallelism is not None and any(
-        (getattr(parallelism, name, 1) or 1) > 1 for name in ("tp_size", "cp_size", "sp_size", "dp_shard_size")
+        (getattr(parallelism, name, 1) or 1) > 1 for name in ("tp_size", "cp_size", "sp_size")
     ):
         raise ValueError(
-            "ACCO is pure data parallelism: tensor, context, sequence parallelism and FSDP sharding are not "
-            "supported. Remove `parallelism_config`."
+            "ACCO is data parallelism (with FSDP2 inside each machine at most): tensor, context and sequence "
+            "parallelism are not supported. Set tp_size, cp_size and sp_size to 1 in `parallelism_config`."
         )

@@ -103,6 +103,13 @@ class Faults(TrainerCallback):
         time.sleep(self.sleep)
 
 
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value (FSDP's sharded ones gathered: every rank calls this, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--acco", action="store_true", help="ACCOTrainer + ACCOConfig instead of Trainer")
@@ -132,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mean_loss_model", action="store_true", help="a model that ignores num_items_in_batch")
     parser.add_argument(
         "--machine_per_rank", action="store_true", help="each rank its own machine: a private output_dir/node{rank}"
+    )
+    parser.add_argument(
+        "--hsdp", action="store_true", help="FSDP2 inside 2 machines of world_size / 2 ranks (Accelerate's HSDP)"
     )
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
@@ -170,6 +180,18 @@ def main(argv: list[str] | None = None) -> dict:
     if cli.machine_per_rank:  # no shared file system: each "machine" writes its own directory, as its first process
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         settings["output_dir"] = os.path.join(cli.output_dir, f"node{os.environ.get('RANK', '0')}")
+    if cli.hsdp:  # as a user configures Trainer's HSDP: the same settings go to ACCOTrainer
+        from accelerate.parallelism_config import ParallelismConfig
+
+        from tests.fsdp_cpu import allow_fsdp_on_cpu
+
+        allow_fsdp_on_cpu()  # (test only: Accelerate enables FSDP on GPUs by itself)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        settings.update(
+            fsdp=True,
+            fsdp_config={"version": 2, "reshard_after_forward": True},
+            parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=world // 2),
+        )
     args = args_cls(**{**settings, **json.loads(cli.extra)})
     log_keys = LogKeys()
     callbacks = [log_keys] + ([StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else [])
@@ -206,10 +228,12 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_model(os.path.join(args.output_dir, "final"))
     result = {
         "log_history": trainer.state.log_history,
-        "params": {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()},
+        "params": {n: full(p) for n, p in trainer.model.named_parameters()},
         "world_size": trainer.accelerator.num_processes,
         "logged_keys": sorted(log_keys.keys),
         "acco_totals": dict(trainer.acco.totals) if getattr(trainer, "acco", None) else None,
+        "engine_ranks": trainer.acco.comm.world_size if getattr(trainer, "acco", None) else None,
+        "fsdp_sharded": type(trainer.model).__name__.startswith("FSDP"),
         "rows": slow.rows,  # input_ids of every training micro-batch this rank computed
     }
     if trainer.is_world_process_zero():

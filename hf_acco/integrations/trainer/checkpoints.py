@@ -143,6 +143,15 @@ def save_engine_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
             atomic_write_json(data, os.path.join(output_dir, DATA_STATE_NAME))
 
 
+def save_fsdp_model_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
+    """The committed parameters in Accelerate's FSDP model files (``pytorch_model_fsdp.bin``, or the sharded folder
+    with ``SHARDED_STATE_DICT``), as Trainer's FSDP checkpoint has them: its resume loads them. Collective."""
+    from accelerate.utils import save_fsdp_model
+
+    with engine_of(trainer).committed_parameters():
+        save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, output_dir)
+
+
 def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
     load_optimizer_state(engine_of(trainer), checkpoint)  # collective; re-shards if the world size changed
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)

@@ -18,6 +18,7 @@ from hf_acco.comm.module_buffers import BufferSync, has_running_statistics
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.engine.optim import check_elementwise
 from hf_acco.engine.schedule import validate_settings
+from hf_acco.integrations import fsdp
 from hf_acco.integrations.config import (
     acco_setting,
     check_halves,
@@ -44,6 +45,8 @@ def sync_buffers(trainer: ACCOTrainerMixin, model: torch.nn.Module) -> None:
         current.remove()
     trainer._acco_buffer_sync = None  # type: ignore[attr-defined]
     if args.ddp_broadcast_buffers is False or engine_accumulation(args) == "paced" or args.world_size < 2:
+        return
+    if fsdp.is_sharded(model):  # FSDP shards the buffers' modules too and, as Trainer's HSDP, broadcasts none
         return
     trainer._acco_buffer_sync = BufferSync(model, lambda: trainer.accelerator.sync_gradients)  # type: ignore[attr-defined]
 
@@ -102,6 +105,17 @@ def check_trainer(trainer: ACCOTrainerMixin) -> None:
         cls, _ = Trainer.get_optimizer_cls_and_kwargs(args, trainer.model)  # type: ignore[arg-type]  # (as Trainer)
         check_elementwise(cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
     check_world_size(trainer.accelerator.num_processes)
+    if fsdp.hsdp_layout(trainer.accelerator) is not None:  # FSDP inside machines: refusals before any work
+        if engine_accumulation(args) == "paced":
+            raise ValueError(
+                "acco_accumulation='dynamic' with FSDP: the ranks of a machine must compute the same micro-batches "
+                "(FSDP's collectives run in lockstep). Use acco_accumulation='fixed'."
+            )
+        if trainer.optimizer is not None:
+            raise ValueError(
+                "An optimizer instance cannot be taken over with FSDP: it holds the parameters from before FSDP "
+                "shards them. Pass its class and settings as optimizer_cls_and_kwargs=(cls, kwargs) instead."
+            )
     if (
         engine_accumulation(args) == "paced"
         and args.ddp_broadcast_buffers is None
@@ -185,8 +199,16 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
     model = trainer.model if model is None else model
     if model is None:
         raise ValueError("ACCOTrainer needs a model to build its optimizer for: pass model= (or model_init=).")
-    optimizer_cls, optimizer_kwargs, groups = optimizer_groups(trainer, model, taken)
     args = trainer.args
+    group = None
+    if fsdp.hsdp_layout(trainer.accelerator) is not None:
+        if not fsdp.is_sharded(model):  # the engine is built over the sharded parameters, FSDP's own from now on
+            model = fsdp.shard_within_machines(trainer.accelerator, model)
+        group = fsdp.replicate_group(trainer.accelerator)
+        # the engine takes each micro-batch's reduce-scattered shard in FSDP's gradient hooks: Trainer's no_sync
+        # (FSDP's set_requires_gradient_sync(False)) would accumulate full unsharded gradients and fire no hook
+        trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+    optimizer_cls, optimizer_kwargs, groups = optimizer_groups(trainer, model, taken)
     check_elementwise(optimizer_cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
     ensure_process_group(trainer.accelerator.device)
     trainer._logged_totals = {}  # a new engine's figures start from zero
@@ -199,6 +221,7 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
         max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
         warmup_steps=acco_setting(args, "acco_warmup_steps"),
         communicator=Communicator(
+            group=group,
             reduce_scatter=acco_setting(args, "acco_reduce_scatter"),
             timeout=datetime.timedelta(seconds=acco_setting(args, "acco_comm_timeout_s")),
         ),

@@ -40,6 +40,7 @@ from hf_acco.comm.communicator import is_peer_failure
 from hf_acco.comm.groups import agreed_key
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.engine.schedule import Accumulation
+from hf_acco.integrations import fsdp
 from hf_acco.integrations.config import engine_accumulation, splits_batches
 from hf_acco.integrations.trainer import checkpoints, data, engine, metrics, weights
 from hf_acco.pacing.pacer import Pacer
@@ -109,7 +110,7 @@ class ACCOTrainerMixin(_TrainerBase):
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         model = super()._wrap_model(model, training, dataloader)
-        if training and not getattr(model, "_is_accelerate_prepared", False):
+        if training and not getattr(model, "_is_accelerate_prepared", False) and not self.is_fsdp_enabled:
             # autocast, compile and device placement, but no DDP: the ACCO rounds average the gradients
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
         if training:  # what DDP's forward would do with the buffers: rank 0's before each window
@@ -244,6 +245,8 @@ class ACCOTrainerMixin(_TrainerBase):
         if self._pacer is not None and not self._pacer.sampler.endless:  # the epoch's fraction: the data used
             self.state.epoch = self._pacer.progress
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+        if self.is_fsdp_enabled and self.acco is not None:  # after an evaluation's forward passes: see fsdp.reshard
+            fsdp.reshard(cast(torch.nn.Module, self.model))
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         if self.acco is not None:
@@ -257,13 +260,17 @@ class ACCOTrainerMixin(_TrainerBase):
         # The model files get the committed parameters, never the estimate: loaded only where they are written
         # (should_save: the main process, or each node's first with save_on_each_node; Trainer's save_model writes
         # nothing elsewhere and makes no collective), so the other ranks copy nothing
-        if self.acco is None or not self.args.should_save:
+        # With FSDP every rank holds a piece of the model, and Trainer's save gathers it (a collective): every
+        # rank loads the committed parameters.
+        if self.acco is None or not (self.args.should_save or self.is_fsdp_enabled):
             return super().save_model(output_dir, _internal_call)
         with self.acco.committed_parameters(), checkpoints.model_files_on_this_node(self):
             super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         checkpoints.save_engine_state(self, output_dir)  # one shard per rank instead of optimizer.pt
+        if self.is_fsdp_enabled:  # the model as Trainer's FSDP checkpoint holds it, which its resume loads
+            checkpoints.save_fsdp_model_state(self, output_dir)
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
