@@ -19,9 +19,21 @@ ACCUM, STEPS = 4, 6
 
 
 def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: int = 0, save: str | None = None,
-         load: str | None = None, stop: int = STEPS, weight_decay: float = 0.1) -> list[torch.Tensor]:  # fmt: skip
+         load: str | None = None, stop: int = STEPS, weight_decay: float = 0.1,
+         hsdp: bool = False) -> list[torch.Tensor]:  # fmt: skip
+    """``hsdp``: Accelerate set up for FSDP2 inside 2 machines of world_size / 2 ranks (as for its HSDP)."""
     set_seed(0)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    sharding = {}
+    if hsdp:
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        from .fsdp_cpu import allow_fsdp_on_cpu
+
+        allow_fsdp_on_cpu()
+        shape = ParallelismConfig(dp_replicate_size=2, dp_shard_size=world_size // 2)
+        sharding = {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2), "parallelism_config": shape}
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, **sharding)
     model = tiny_llama()
     if acco:  # the changed lines
         model, optimizer = prepare_acco(
@@ -47,7 +59,13 @@ def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: 
             accelerator.save_state(save)
     if acco:
         optimizer.optimizer.finalize()  # committed parameters in the model
-    return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return [full(p) for p in accelerator.unwrap_model(model).parameters()]
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
 def test_sync_schedule_in_an_accelerate_loop_matches_ddp() -> None:
@@ -64,6 +82,23 @@ def test_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:
     assert "acco_optimizer_rank1_of_2.pt" in names, names
     resumed = run_ranks(loop, backend=None, acco=True, start=STEPS // 2, load=str(tmp_path))
     for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(resumed[r], straight[r]))
+
+
+@pytest.mark.parametrize("schedule", ["sync", "acco"])
+def test_fsdp_inside_machines_in_an_accelerate_loop_equals_acco_without_fsdp(schedule: str) -> None:
+    """4 ranks as 2 machines x 2: FSDP inside each, the engine across; the same training as without FSDP."""
+    plain = run_ranks(loop, world_size=4, backend=None, acco=True, schedule=schedule)
+    ours = run_ranks(loop, world_size=4, backend=None, acco=True, schedule=schedule, hsdp=True)
+    assert rel(ours[0], plain[0]) < 1e-5
+    assert all(all(torch.equal(a, b) for a, b in zip(ours[0], ours[r])) for r in range(1, 4))
+
+
+def test_fsdp_inside_machines_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:
+    straight = run_ranks(loop, world_size=4, backend=None, acco=True, save=str(tmp_path), hsdp=True)
+    assert (tmp_path / "fsdp_shard1_of_2" / "acco_optimizer_rank1_of_2.pt").is_file()
+    resumed = run_ranks(loop, world_size=4, backend=None, acco=True, start=STEPS // 2, load=str(tmp_path), hsdp=True)
+    for r in range(4):
         assert all(torch.equal(a, b) for a, b in zip(resumed[r], straight[r]))
 
 

@@ -47,6 +47,7 @@ from hf_acco.comm.groups import agreed_key, check_world_size, ensure_process_gro
 from hf_acco.comm.module_buffers import BufferSync
 from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
 from hf_acco.engine.core import ACCOOptimizer
+from hf_acco.integrations import fsdp
 from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
 from hf_acco.pacing.pacer import Pacer
 
@@ -93,10 +94,28 @@ def prepare_acco(
     buffers (BatchNorm's running statistics) before the first forward of each accumulation window, as DDP's forward
     does; False keeps each rank's own, as it is with dynamic or paced accumulation, whose ranks compute different
     numbers of micro-batches. Collective: every rank.
+
+    With Accelerate set up for FSDP2 over several machines (``fsdp_version: 2`` and a parallelism config of
+    ``dp_replicate_size`` machines x ``dp_shard_size`` GPUs each), FSDP shards the model inside each machine and the
+    engine's rounds run across machines (docs/hsdp.md); ``accumulation`` must be ``"fixed"``. ``save_state`` then
+    writes Accelerate's FSDP model files with the parameters the model holds (with ``schedule="acco"`` the
+    estimate; for the committed ones, ``accelerator.get_state_dict(model)`` inside
+    ``optimizer.optimizer.committed_parameters()``) and the engine's shards in a folder per FSDP shard.
     """
     check_world_size(accelerator.num_processes)
     ensure_process_group(accelerator.device)
-    model = accelerator.prepare_model(model, evaluation_mode=True)  # autocast and placement; ACCO averages
+    sharded = fsdp.hsdp_layout(accelerator) is not None  # FSDP2 inside each machine, ACCO across (docs/hsdp.md)
+    if sharded:
+        if broadcast_buffers:
+            raise ValueError("broadcast_buffers=True with FSDP: FSDP shards the modules; pass broadcast_buffers=None.")
+        model = fsdp.shard_within_machines(accelerator, model)
+        accelerator._models.append(model)  # as prepare() registers it: save_state/load_state write and read it
+        acco_kwargs.setdefault("group", fsdp.replicate_group(accelerator))
+        # the engine takes each micro-batch's reduce-scattered shard in FSDP's gradient hooks, which accumulate()'s
+        # no_sync (full unsharded gradients) would skip
+        accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+    else:
+        model = accelerator.prepare_model(model, evaluation_mode=True)  # autocast and placement; ACCO averages
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for _, p in named if p.ndim >= 2], "param_names": [n for n, p in named if p.ndim >= 2],
@@ -115,13 +134,17 @@ def prepare_acco(
             "broadcast_buffers=False (each rank keeps its own buffers)."
         )
     engine = ACCOOptimizer([g for g in groups if g["params"]], **acco_kwargs)
-    if broadcast_buffers is not False and fixed and accelerator.num_processes > 1:  # DDP's, from forward hooks
+    if broadcast_buffers is not False and fixed and accelerator.num_processes > 1 and not sharded:  # DDP's
         BufferSync(model, lambda: accelerator.sync_gradients)
     optimizer = ACCOAcceleratedOptimizer(engine, accelerator)
     optimizer._is_accelerate_prepared = True
-    optimizer = accelerator.prepare_optimizer(optimizer)  # registers it for save_state / load_state
+    if not sharded:  # registered for save_state / load_state (with FSDP they would save it as a torch optimizer's
+        optimizer = accelerator.prepare_optimizer(optimizer)  # state dict, whose loading steps it: the hooks do)
 
     def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
+        if sharded:  # Accelerate wrote the FSDP model files already, with the parameters the model holds
+            save_optimizer_state(engine, output_dir)
+            return
         # The model files get the committed parameters, not the estimate the model computes with: a copy of them on
         # the host, made by the process that writes them (Accelerate's save(): the main process, or each node's first
         # with save_on_each_node). The others keep Accelerate's references to the model, which they never write.
@@ -135,6 +158,9 @@ def prepare_acco(
         save_optimizer_state(engine, output_dir)
 
     def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
+        if sharded:  # after Accelerate loaded the FSDP model files (it calls no load_state_dict of an optimizer
+            load_optimizer_state(engine, input_dir)  # it does not hold)
+            return
         optimizer.checkpoint_dir = input_dir  # loaded by ACCOAcceleratedOptimizer.load_state_dict, later
 
     accelerator.register_save_state_pre_hook(save_hook)
