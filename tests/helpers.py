@@ -39,13 +39,14 @@ def accelerate_launch(
     config: str = "accelerate_configs/cpu_2proc.yaml",
     timeout: float = 240,
     env: dict[str, str] | None = None,
+    launcher_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file CONFIG SCRIPT ARGS`` from the project root, on a port of its own, asserted
     to exit 0. A run still going after ``timeout`` seconds is a hang: every process of the launch (the launcher
     and its ranks) gets SIGABRT, which makes faulthandler print each thread's stack, and the assertion shows
     them. The timeout stays under pytest's own (setup.cfg) so that this report, not pytest's, is the one seen."""
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / config)]
-    cmd = [*launcher, "--main_process_port", str(free_port()), str(script), *args]
+    cmd = [*launcher, *launcher_args, "--main_process_port", str(free_port()), str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -142,3 +142,27 @@ def test_what_fsdp_mode_cannot_run_is_refused_at_construction(tmp_path: Path, se
 
     results = _construct(tmp_path, settings["shape"][0] * settings["shape"][1], **settings)
     assert all(r["error"] is not None and re.search(message, r["error"]) for r in results), results
+
+
+def test_an_accelerate_config_file_sets_the_same_mode(tmp_path: Path) -> None:
+    """accelerate_configs/hsdp_acco.yaml (2 machines x 8 GPUs) launched as 2 x 2 CPU ranks on one machine: the
+    FSDP plugin and parallelism config come from the launcher's environment, none from the training arguments."""
+    import json
+    import os
+
+    from .helpers import ROOT, accelerate_launch
+
+    from_args = hsdp(tmp_path / "args", acco=True)
+    overrides = ("--num_machines", "1", "--num_processes", "4", "--machine_rank", "0", "--mixed_precision", "no",
+                 "--parallelism_config_dp_shard_size", "2")  # fmt: skip
+    accelerate_launch(
+        ROOT / "tests/scripts/trainer_script.py", "--acco", "--fsdp_on_cpu", "--max_steps", str(STEPS),
+        "--output_dir", str(tmp_path / "file"), config="accelerate_configs/hsdp_acco.yaml", launcher_args=overrides,
+        env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )  # fmt: skip
+    history = json.loads((tmp_path / "file" / "log_history.json").read_text())
+    launched = [h["loss"] for h in history if "loss" in h]
+    assert launched == pytest.approx(losses(from_args[0]), rel=1e-6)
+    assert (tmp_path / "file" / "final" / "model.safetensors").is_file()
+    ranks = [json.loads((tmp_path / "file" / f"rank{r}_micro_batches.json").read_text()) for r in range(4)]
+    assert all(r["fsdp_sharded"] and r["engine_ranks"] == 2 for r in ranks)  # FSDP in a machine, rounds across

@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--hsdp", action="store_true", help="FSDP2 inside 2 machines of world_size / 2 ranks (Accelerate's HSDP)"
     )
+    parser.add_argument(
+        "--fsdp_on_cpu", action="store_true", help="test only: let Accelerate run an FSDP launch config on CPU ranks"
+    )
     cli = parser.parse_args(argv)
     # The only difference between the two runs: the two class names.
     trainer_cls, args_cls = (ACCOTrainer, ACCOConfig) if cli.acco else (Trainer, TrainingArguments)
@@ -180,12 +183,13 @@ def main(argv: list[str] | None = None) -> dict:
     if cli.machine_per_rank:  # no shared file system: each "machine" writes its own directory, as its first process
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         settings["output_dir"] = os.path.join(cli.output_dir, f"node{os.environ.get('RANK', '0')}")
-    if cli.hsdp:  # as a user configures Trainer's HSDP: the same settings go to ACCOTrainer
-        from accelerate.parallelism_config import ParallelismConfig
-
+    if cli.hsdp or cli.fsdp_on_cpu:
         from tests.fsdp_cpu import allow_fsdp_on_cpu
 
         allow_fsdp_on_cpu()  # (test only: Accelerate enables FSDP on GPUs by itself)
+    if cli.hsdp:  # as a user configures Trainer's HSDP: the same settings go to ACCOTrainer
+        from accelerate.parallelism_config import ParallelismConfig
+
         world = int(os.environ.get("WORLD_SIZE", "1"))
         settings.update(
             fsdp=True,
@@ -240,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
         with open(os.path.join(args.output_dir, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
     with open(os.path.join(cli.output_dir, f"rank{rank}_micro_batches.json"), "w") as f:
-        json.dump({"micro_batches": slow.calls, "rows": len(slow.rows)}, f)
+        json.dump({"micro_batches": slow.calls, "rows": len(slow.rows), "engine_ranks": result["engine_ranks"],
+                   "fsdp_sharded": result["fsdp_sharded"]}, f)  # fmt: skip
     return result
 
 
