@@ -28,8 +28,12 @@ def test_every_launch_config_parses_and_starts_several_processes(path: Path) -> 
     config = ClusterConfig.from_yaml_file(str(path))
     assert config.num_processes >= 2
     # MULTI_CPU starts one process unless mpirun is configured; MULTI_GPU/torchrun starts them all
-    assert config.distributed_type.value == "MULTI_GPU", "MULTI_CPU would silently start one process"
+    assert config.distributed_type.value in ("MULTI_GPU", "FSDP"), "MULTI_CPU would silently start one process"
     assert config.num_processes % config.num_machines == 0
+    if config.distributed_type.value == "FSDP":  # FSDP inside each machine, ACCO across (hf_acco.integrations.fsdp)
+        shape = config.parallelism_config
+        assert config.fsdp_config["fsdp_version"] == 2 and shape["parallelism_config_dp_replicate_size"] >= 2
+        assert shape["parallelism_config_dp_shard_size"] * config.num_machines == config.num_processes
     assert len(list((ROOT / "accelerate_configs").glob("*.yaml"))) >= 3
 
 
