@@ -86,6 +86,19 @@ def test_checkpoint_resume_is_bit_identical_and_save_model_loads_with_from_pretr
     assert all(torch.equal(p, straight[0]["params"][n]) for n, p in final.named_parameters())
 
 
+def test_a_checkpoint_resumes_on_another_number_of_machines_not_another_fsdp_sharding(tmp_path: Path) -> None:
+    two = hsdp(tmp_path / "two", acco=True, save_steps=5)
+    checkpoint = tmp_path / "two" / "checkpoint-5"
+    three = train(tmp_path / "three", acco=True, world_size=6, hsdp=True, machines=3, max_steps=STEPS,
+                  resume=checkpoint)  # fmt: skip
+    assert three[0]["engine_ranks"] == 3  # each FSDP shard's engine state re-sharded over 3 machines
+    after = [h["loss"] for h in three[0]["log_history"] if "loss" in h and h["step"] > 5]
+    assert len(after) == 5  # it goes on from the 2-machine state (not from scratch): where that run was
+    assert after[0] == pytest.approx(losses(two[0])[5], rel=0.03) and after[0] < losses(two[0])[0] - 0.05
+    with pytest.raises(RuntimeError, match="written with FSDP over 2 ranks per machine; this run has no FSDP"):
+        train(tmp_path / "plain", acco=True, world_size=4, max_steps=STEPS, resume=checkpoint)
+
+
 def test_lora_over_fsdp_equals_trainer_hsdp(tmp_path: Path) -> None:
     theirs = hsdp(tmp_path / "hsdp", acco=False, lora=True)
     ours = hsdp(tmp_path / "ours", acco=True, lora=True, extra={"acco_schedule": "sync"})

@@ -81,6 +81,10 @@ def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike)
     world size, or a checkpoint of an older chunk size): each rank then reads only its own ranges of the files."""
     layout, rank = optimizer.layout, optimizer.comm.rank
     try:
+        part = optimizer.comm.part
+        mismatch = fsdp_sharding_mismatch(directory, None if part is None else part[1])
+        if mismatch:
+            raise ValueError(mismatch)
         states = _read_shards(shards_directory(optimizer, directory), rank, layout.world_size, layout.chunk)
         meta = states[0]["layout"]
         same = meta["world_size"] == layout.world_size and meta["chunk"] == layout.chunk
@@ -89,6 +93,23 @@ def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike)
         optimizer.raise_if_any_rank_failed(e)  # every rank raises, none waits in a collective
         raise
     optimizer.load_state_dict(state)
+
+
+def fsdp_sharding_mismatch(directory: str | os.PathLike, shards: int | None) -> str | None:
+    """Why a run whose model FSDP shards over ``shards`` ranks per machine (None: no FSDP) cannot load the engine
+    state in ``directory``, or None. The shards cover FSDP's local shards of the run that wrote them (a folder per
+    FSDP shard index): another FSDP sharding (or none) has other local shapes. Another number of machines re-shards
+    within each folder."""
+    written = sorted(_part_folders(Path(directory)))
+    if written == ([] if shards is None else [shards]):
+        return None
+    before = f"with FSDP over {written[0]} ranks per machine" if written else "without FSDP"
+    now = f"FSDP over {shards} ranks per machine" if shards is not None else "no FSDP"
+    return (
+        f"The checkpoint {directory} was written {before}; this run has {now}, so each rank holds other pieces of "
+        "the model. Resume with the FSDP configuration it was written with (dp_shard_size), on any number of "
+        "machines; or start from its model files (from_pretrained) without the optimizer state."
+    )
 
 
 def shard_files(directory: str | os.PathLike) -> dict[int, dict[int, Path]]:

@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--machine_per_rank", action="store_true", help="each rank its own machine: a private output_dir/node{rank}"
     )
     parser.add_argument(
-        "--hsdp", action="store_true", help="FSDP2 inside 2 machines of world_size / 2 ranks (Accelerate's HSDP)"
+        "--hsdp", action="store_true", help="FSDP2 inside --machines machines (as for Accelerate's HSDP)"
     )
+    parser.add_argument("--machines", type=int, default=2, help="with --hsdp: dp_replicate_size")
     parser.add_argument(
         "--fsdp_on_cpu", action="store_true", help="test only: let Accelerate run an FSDP launch config on CPU ranks"
     )
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         settings.update(
             fsdp=True,
             fsdp_config={"version": 2, "reshard_after_forward": True},
-            parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=world // 2),
+            parallelism_config=ParallelismConfig(dp_replicate_size=cli.machines, dp_shard_size=world // cli.machines),
         )
     args = args_cls(**{**settings, **json.loads(cli.extra)})
     log_keys = LogKeys()

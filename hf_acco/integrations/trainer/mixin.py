@@ -22,6 +22,10 @@ What it intercepts, why, and where the work is (Trainer's loop itself is not cop
   committed parameters in the model files, one optimizer shard per rank, the ranks meet before the trainer
   state marks the checkpoint complete (``checkpoints``).
 * ``log``: ACCO's figures next to the loss (``metrics``).
+* With Accelerate's FSDP2 configuration over several machines (``hf_acco.integrations.fsdp``): ``create_optimizer``
+  shards the model inside each machine before building the engine over the machines; ``_wrap_model`` leaves the
+  model to Accelerate's FSDP ``prepare``; ``_maybe_log_save_evaluate`` reshards after evaluation; every rank saves
+  the committed parameters (the save is collective), and checkpoints hold Trainer's FSDP model files too.
 
 Evaluation sees the committed parameters through the optimizer's ``eval()``/``train()``, which Trainer calls around
 evaluation and before every micro-batch.
@@ -38,6 +42,7 @@ from transformers import Trainer
 
 from hf_acco.comm.communicator import is_peer_failure
 from hf_acco.comm.groups import agreed_key
+from hf_acco.engine.checkpoint import fsdp_sharding_mismatch
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.engine.schedule import Accumulation
 from hf_acco.integrations import fsdp
@@ -99,6 +104,11 @@ class ACCOTrainerMixin(_TrainerBase):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train, resuming only from complete checkpoints (``True``: the latest complete on every rank)."""
         resume_from_checkpoint = checkpoints.resolve_resume(self.args, resume_from_checkpoint)
+        if isinstance(resume_from_checkpoint, str):  # before Trainer reads its model files (FSDP's or not)
+            layout = fsdp.hsdp_layout(self.accelerator)
+            mismatch = fsdp_sharding_mismatch(resume_from_checkpoint, layout[1] if layout else None)
+            if mismatch:
+                raise ValueError(mismatch)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except (RuntimeError, dist.DistError) as e:
