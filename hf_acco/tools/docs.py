@@ -358,6 +358,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "gpu-check": results_docs.gpu_check_table,
     "engine-traffic": results_docs.traffic_table,
     "hsdp-memory": results_docs.hsdp_memory_table,
+    "hsdp-fits": results_docs.hsdp_fits_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),

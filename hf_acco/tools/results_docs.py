@@ -177,3 +177,30 @@ def hsdp_memory_table() -> str:
             f"| {sync.persistent_bytes / 1e9:.1f} | {hsdp / 1e9:.1f} |"
         )
     return "\n".join(out) + "\n"
+
+
+def hsdp_fits_table() -> str:
+    """Which of DDP, ZeRO-1, HSDP, ACCO and HSDP-ACCO fit an 80 GiB GPU, per GPU, for bf16 models of 7B and 13B on 2
+    machines of 8 GPUs, 34B on 4 and 70B on 8 (``hf_acco.memory``'s figures; ACCO's with their leanest settings:
+    bf16 sums, int8 on the wire; its peak with the rounds' pool). Activations are not counted: what is left is
+    theirs."""
+    import torch
+
+    from hf_acco.tools.memory import GIB, baselines, engine_memory
+
+    gpu = 80 * GIB
+    out = [
+        "| model, machines x 8 GPUs | DDP (GB) | ZeRO-1 (GB) | HSDP (GB) | ACCO (GB) | HSDP-ACCO (GB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    mark = lambda n: f"{n / 1e9:.1f} {'fits' if n < gpu else '**no**'}"  # noqa: E731
+    lean = dict(param_dtype=torch.bfloat16, comm_dtype="int8", grad_dtype=torch.bfloat16)
+    for params, machines in ((7e9, 2), (13e9, 2), (34e9, 4), (70e9, 8)):
+        numel, world = int(params), 8 * machines
+        base = baselines(numel, world, torch.bfloat16, 8)
+        hsdp = next(v for k, v in base.items() if k.startswith("HSDP"))
+        acco = engine_memory(numel, world, **lean).peak_bytes  # type: ignore[arg-type]
+        hsdp_acco = engine_memory(numel, world, fsdp_shard=8, **lean).peak_bytes  # type: ignore[arg-type]
+        cells = " | ".join(mark(n) for n in (base["DDP"], base["ZeRO-1"], hsdp, acco, hsdp_acco))
+        out.append(f"| {params / 1e9:.0f}B, {machines} x 8 | {cells} |")
+    return "\n".join(out) + "\n"
