@@ -484,3 +484,25 @@ def test_beside_times_micro_batches_alone_and_beside_real_rounds(tmp_path):
         assert rank["micro_batches"][0] == 11 and rank["micro_batches"][1] >= 1
         assert rank["micro_batch_alone_ms"] > 0 and rank["round_beside_ms"] > 0
         assert rank["beside_over_alone"] == pytest.approx(rank["micro_batch_beside_ms"] / rank["micro_batch_alone_ms"])
+
+
+@pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
+def test_the_hsdp_benchmark_at_2_nodes_of_2(tmp_path):
+    """FSDP2 inside 2 nodes of 2 ranks, HSDP's all-reduce or ACCO's rounds across (about a minute). What crosses
+    the uplinks per step is the design's: HSDP all-reduces each rank's FSDP shard once (two nodes: its shard's bytes
+    out of each node, per rank), ACCO's schedule runs two rounds (the estimate's and the commit's), sync one."""
+    out = tmp_path / "hsdp"
+    cmd = [sys.executable, "-m", "hf_acco.tools.bench.hsdp", "--steps", "5", "--repeats", "1", "--params", "1e6",
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    payload = json.loads((out / "benchmark.json").read_text())
+    runs = {r["method"]: r for r in payload["runs"]}
+    assert set(runs) == {"hsdp", "hsdp_acco", "hsdp_sync"} and payload["emulated"] is True
+    shard_bytes = 4 * runs["hsdp"]["params"] / 2  # fp32, one FSDP shard of 2
+    across = {m: r["across_bytes_per_step"] for m, r in runs.items()}
+    assert 0.95 * shard_bytes < across["hsdp"] < 1.15 * shard_bytes, across  # (+ headers, the norm, the counts)
+    assert across["hsdp_sync"] == pytest.approx(across["hsdp"], rel=0.1)
+    assert across["hsdp_acco"] == pytest.approx(2 * across["hsdp_sync"], rel=0.1)
+    assert all(r["step_time_s"] > 0 and r["bytes_per_step"] > r["across_bytes_per_step"] for r in runs.values())
+    assert "(emulated)" in (out / "table.md").read_text()

@@ -99,6 +99,20 @@ def test_a_checkpoint_resumes_on_another_number_of_machines_not_another_fsdp_sha
         train(tmp_path / "plain", acco=True, world_size=4, max_steps=STEPS, resume=checkpoint)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{"acco_schedule": "dpu"}, {"acco_comm_dtype": "int8"}, {"acco_comm_dtype": "int8", "acco_gather_dtype": "int8"}],
+    ids=["dpu", "int8-gradients", "int8-gradients-and-changes"],
+)
+def test_other_schedules_and_int8_between_machines_train_and_keep_the_ranks_identical(
+    tmp_path: Path, settings: dict
+) -> None:
+    ours = hsdp(tmp_path, acco=True, extra=settings)
+    got = losses(ours[0])
+    assert all(torch.isfinite(torch.tensor(got))) and got[-1] < got[0] - 0.1
+    _same_model_on_every_rank(ours)
+
+
 def test_lora_over_fsdp_equals_trainer_hsdp(tmp_path: Path) -> None:
     theirs = hsdp(tmp_path / "hsdp", acco=False, lora=True)
     ours = hsdp(tmp_path / "ours", acco=True, lora=True, extra={"acco_schedule": "sync"})

@@ -359,6 +359,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "engine-traffic": results_docs.traffic_table,
     "hsdp-memory": results_docs.hsdp_memory_table,
     "hsdp-fits": results_docs.hsdp_fits_table,
+    "hsdp-bench": results_docs.hsdp_bench_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),

@@ -204,3 +204,11 @@ def hsdp_fits_table() -> str:
         cells = " | ".join(mark(n) for n in (base["DDP"], base["ZeRO-1"], hsdp, acco, hsdp_acco))
         out.append(f"| {params / 1e9:.0f}B, {machines} x 8 | {cells} |")
     return "\n".join(out) + "\n"
+
+
+def hsdp_bench_table() -> str:
+    """``python -m hf_acco.tools.bench.hsdp``'s committed run (recipes/results/hsdp): its command and table."""
+    from hf_acco.tools.bench import hsdp
+
+    payload = json.loads((ROOT / "recipes" / "results" / "hsdp" / "benchmark.json").read_text())
+    return f"`{payload['command']}`\n\n" + hsdp.table(payload["runs"])

@@ -241,3 +241,30 @@ def tx_bytes(device: str) -> int:
         if name.strip() == device:
             return int(fields.split()[8])
     raise RuntimeError(f"no interface {device!r} in /proc/net/dev")
+
+
+class Traffic:
+    """Bytes a rank sent on its link device (both ranks' when they share one loopback: halved); with nodes, also
+    its share of what left its node through the node's uplink (``across``: the uplink's count over the node's
+    ranks, read in the node's namespace)."""
+
+    def __init__(
+        self, device: str | None, shared: bool, world_size: int, uplink: list[str] | None = None, nodes: int = 1
+    ) -> None:
+        self.device, self.divide = device, (world_size if shared else 1)
+        self.uplink, self.per_node = uplink, world_size // max(nodes, 1)
+
+    def read(self) -> float | None:
+        return None if self.device is None else tx_bytes(self.device) / self.divide
+
+    def across(self) -> float | None:
+        if self.uplink is None:
+            return None
+        namespace, device = self.uplink
+        text = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/dev"], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        for line in text.splitlines():
+            name, _, fields = line.partition(":")
+            if name.strip() == device:
+                return int(fields.split()[8]) / self.per_node
+        raise RuntimeError(f"no interface {device!r} in namespace {namespace}")

@@ -114,13 +114,15 @@ def summarise_run(
         statistics.mean(r["micro_batches"][WARMUP_STEPS:] or r["micro_batches"]) * r["t_micro"] for r in run
     ]
     t_compute = max(per_rank_compute)
-    if method_parts(r0["method"])[0] == "ddp":
+    if method_parts(r0["method"])[0] in ("ddp", "hsdp"):  # no engine: what the step takes beyond its compute
         exposed = None if t_step is None else max(0.0, t_step - t_compute)
     else:
         exposed = median_or_none(r0["waits"][WARMUP_STEPS:])
     bytes_per_step = None
     if all(r.get("tx_bytes") is not None for r in run):
         bytes_per_step = max(r["tx_bytes"] for r in run) / max(steps, 1)
+    across = [r["across_tx_bytes"] for r in run if r.get("across_tx_bytes") is not None]  # its node's, its share
+    across_per_step = max(across) / max(steps, 1) if len(across) == len(run) else None
     t_wire = None if link_mbit is None or bytes_per_step is None else bytes_per_step * 8 / (link_mbit * 1e6)
     tokens = sum(sum(rec[2] for rec in r["records"]) for r in run)
     duration = max(r["step_ends"][-1] for r in run) if steps else None
@@ -144,6 +146,7 @@ def summarise_run(
         "t_wire_s": t_wire,
         "limit_s": t_compute if t_wire is None else max(t_compute, t_wire),
         "bytes_per_step": bytes_per_step,
+        "across_bytes_per_step": across_per_step,
         "tokens": tokens,
         "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
         "duration_s": duration,

@@ -105,17 +105,20 @@ def interleaved(settings: list[tuple[str, str, int]], repeats: int) -> list[dict
 
 
 def measure(
-    args, label: str, world_size: int, ratio: float, settings, workdir: Path, slow_factor: float = 1.0, nodes: int = 1
-) -> list[dict[str, Any]]:
+    args, label: str, world_size: int, ratio: float, settings, workdir: Path, slow_factor: float = 1.0, nodes: int = 1,
+    extra: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """One setting on a fresh bridge: every run's median step time and the figures the planner needs. With
     ``slow_factor`` rank 1's micro-batch takes that many times the others'. With ``nodes`` > 1 the ranks are
-    grouped into that many nodes (``Link(nodes=...)``) and ``args.link_mbit`` is each node's uplink."""
+    grouped into that many nodes (``Link(nodes=...)``) and ``args.link_mbit`` is each node's uplink. ``extra``:
+    more of the workers' spec (``fsdp_shard``: the FSDP methods' ranks per node)."""
     spec = {**base_spec(args), "runs": interleaved(settings, args.repeats), "slow_factor": slow_factor,
             "emulate": {"params": int(args.params), "comm_over_compute": ratio},
-            "devices": None, "shared_device": False}  # fmt: skip
+            "devices": None, "shared_device": False, **(extra or {})}  # fmt: skip
     with Link(world_size=world_size, bridge=True, nodes=nodes) as link:
         link.shape(args.link_mbit)
         spec["devices"] = [link.device(r) for r in range(world_size)]
+        spec["uplinks"] = [[ns, up] for ns, (up, _) in zip(link.node_namespaces, link.uplinks)]
         each = f"{nodes} nodes, each node's uplink" if nodes > 1 else "each rank's link"
         print(f"[bench] {label}: {world_size} ranks, {each} {args.link_mbit:g} Mbit/s, ratio {ratio:g}", flush=True)
         logs = run_setting(label, link, spec, workdir, args.timeout_s)
@@ -135,6 +138,9 @@ def measure(
             "round_alone_s": comm["all_to_all_s"], "all_reduce_alone_s": comm["all_reduce_s"],
             "step_time_s": statistics.median(steps), "step_time_s_all": steps,
             "tokens_per_s": statistics.median(s["tokens_per_s"] for s in summaries),
+            "bytes_per_step": report.median_or_none([s["bytes_per_step"] for s in summaries if s["bytes_per_step"]]),
+            "across_bytes_per_step": report.median_or_none([s["across_bytes_per_step"] for s in summaries
+                                                            if s["across_bytes_per_step"]]),  # fmt: skip
             "exposed_comm_s": report.median_or_none([s["exposed_comm_s"] for s in summaries if s["exposed_comm_s"]]),
             "compute_slowdown": report.median_or_none([s["compute_slowdown"] for s in summaries
                                                        if s["compute_slowdown"]]),

@@ -29,7 +29,8 @@ from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.integrations.baselines import bf16_wire_hook
 from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
 from hf_acco.pacing.pacer import Pacer
-from hf_acco.tools.bench.link import tx_bytes
+from hf_acco.tools.bench import fsdp_runs
+from hf_acco.tools.bench.link import Traffic
 from hf_acco.tools.bench.report import gather_of, method_parts
 
 MAX_GRAD_NORM = 1.0  # Trainer's default, applied by every method
@@ -203,16 +204,6 @@ def _memory(field: str = "VmHWM") -> int | None:
     return None
 
 
-class Traffic:
-    """Bytes this rank sent on its link device (both ranks' when they share one loopback: halved)."""
-
-    def __init__(self, device: str | None, shared: bool, world_size: int) -> None:
-        self.device, self.divide = device, (world_size if shared else 1)
-
-    def read(self) -> float | None:
-        return None if self.device is None else tx_bytes(self.device) / self.divide
-
-
 def compute_alone(model, stream, repeats: int, warmup: int = 2, emu: Any = None) -> list[float]:
     """Seconds of ``repeats`` micro-batches (forward + backward) with no communication, after ``warmup``."""
     seconds, emu = [], emu or _RealCompute()
@@ -281,7 +272,7 @@ def train_run(
     tokens_per_mb = spec["batch"] * spec["seq"]
     records, step_ends, waits, per_step, mb_compute = [], [], [], [], []
     dist.barrier()
-    sent0, cpu0, t0 = traffic.read(), time.process_time(), time.perf_counter()  # CPU: all threads, gloo's too
+    up0, sent0, cpu0, t0 = traffic.across(), traffic.read(), time.process_time(), time.perf_counter()  # CPU: all
     in_step = 0
 
     def acco_micro_batch(model: torch.nn.Module, opt: ACCOOptimizer, ids: torch.Tensor, t_mb: float) -> None:
@@ -339,12 +330,13 @@ def train_run(
         opt.close()  # its process groups too
     cpu1, wall = time.process_time(), time.perf_counter() - t0
     dist.barrier()
-    sent1 = traffic.read()
+    sent1, up1 = traffic.read(), traffic.across()
     log = {
         **run,
         **{"step_ends": step_ends, "waits": waits, "micro_batches": per_step, "records": records},
         **{"compute_alone_s": alone, "micro_batch_compute_s": mb_compute, "cpu_s": cpu1 - cpu0, "wall_s": wall},
         "tx_bytes": None if sent0 is None or sent1 is None else sent1 - sent0,
+        "across_tx_bytes": None if up0 is None or up1 is None else up1 - up0,
         "peak_mem_bytes": _memory("VmHWM"),
         "resident_before_bytes": resident_before,
         "buffer_bytes": 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -376,6 +368,8 @@ def build_method(
     accumulating, all-reduce in the last backward) or an ACCOOptimizer; dynamic runs take ACCOTrainer's path (the
     same global batch of 2 x k micro-batches, each rank at its own pace)."""
     method, wire = method_parts(run["method"])
+    if method in fsdp_runs.METHODS:  # FSDP2 inside each node: HSDP, or ACCO's rounds across nodes
+        return *fsdp_runs.build(run, spec, model, k, MAX_GRAD_NORM), False
     if method == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         if wire == "bf16":  # the matching choice for a bf16 wire: DDP's compression hook
@@ -404,13 +398,17 @@ def main(spec_path: str, out_path: str) -> None:
         factor = 1.0
     slow = Slowdown(factor)
     devices = spec.get("devices") or [None] * world_size
-    traffic = Traffic(devices[rank], spec.get("shared_device", False), world_size)
+    uplinks = spec.get("uplinks") or [None]  # (namespace, device) of each node's uplink, two levels only
+    uplink = uplinks[rank // (world_size // len(uplinks))]
+    traffic = Traffic(devices[rank], spec.get("shared_device", False), world_size, uplink, len(uplinks))
     tokens = load_tokens(spec.get("text_path"), spec["seed"])
     say = (lambda msg: print(f"[bench {spec['label']}] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
 
     model = build_model(spec, emu)
     dist.barrier()
-    comm = comm_alone(model, traffic, spec.get("calibration_repeats", 10) // 2)
+    repeats = spec.get("calibration_repeats", 10) // 2
+    per_node = spec.get("fsdp_shard")  # FSDP methods: what crosses between nodes is one FSDP shard's worth
+    comm = fsdp_runs.comm_alone(model, per_node, repeats) if per_node else comm_alone(model, traffic, repeats)
     if emu is not None and spec["emulate"].get("comm_over_compute"):
         # a micro-batch's time from the round measured alone: one round = comm_over_compute x a step's compute
         # (the slowest rank's round; every rank the same figure, the slow rank its factor on top)
