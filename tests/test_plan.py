@@ -185,8 +185,13 @@ def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tm
     done = subprocess.run([sys.executable, "-m", "hf_acco.plan", *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     for row in ("| DDP (Trainer) |", "| ZeRO-1 |", "| ACCO fixed |", "| ACCO dynamic |", "Recommended: ACCO fixed",
-                "acco_comm_dtype=", "acco_bucket_numel=", "ring(B, p, bw) =", "alpha 20 / 20 us"):  # fmt: skip
+                "acco_comm_dtype=", "acco_bucket_numel=", "alpha 20 / 20 us", "fitted with gloo on CPU ranks",
+                "The formulas: --explain."):  # fmt: skip
         assert row in done.stdout
+    assert "ring(B, p, bw) =" not in done.stdout and len(done.stdout.splitlines()) < 25  # one screen
+    explained = subprocess.run([sys.executable, "-m", "hf_acco.plan", *argv, "--explain"], capture_output=True,
+                               text=True, timeout=60).stdout  # fmt: skip
+    assert "ring(B, p, bw) =" in explained
     out = plan.main([*argv, "--json"])
     # the flags every CLI of the project shares, and the planner's own spellings of them
     spelled = ["--world_size" if a == "--gpus" else a for a in argv]
@@ -309,3 +314,26 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_code_2(tool: str, argv: 
     err = capsys.readouterr().err
     assert exited.value.code == 2 and said in err and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith(f"python -m hf_acco.{tool}: error: ")
+
+
+def test_the_planner_keeps_the_global_batch_and_recommends_only_what_fits() -> None:
+    """7B bf16 on one machine of 8 x 80 GB: DDP needs 126 GB per GPU; the recommendation is a setting that fits, at
+    the user's 8 micro-batches per step (every row); 70B on the same machine fits nothing, and the planner says
+    what would (FSDP inside machines)."""
+    argv = ["--params", "7e9", "--world_size", "8", "--micro_batch_s", "0.8", "--micro_batches", "8",
+            "--gpu_gib", "80"]  # fmt: skip
+    out = plan.main([*argv, "--quiet"])
+    gpu = 80 * 2**30
+    assert out["predictions"]["ddp:fixed"]["memory_bytes"] == 126e9 > gpu
+    choice = out["recommendation"]
+    assert choice["method"] != "ddp" and choice["memory_bytes"] < gpu and choice["micro_batches"] == 8
+    job = plan.job_from_args(plan.make_parser().parse_args(argv), plan.make_parser())
+    cluster = plan.Cluster(8, 8, 3600.0, 100.0)
+    options = plan.recommend(job, cluster, plan.FITTED, ks=[8])["options"]
+    assert {o["micro_batches"] for o in options} == {8}
+    text = plan.report(job, cluster, plan.FITTED)
+    assert "126.0 (does not fit)" in text and "DDP (Trainer) needs 126.0 GB" in text
+    assert "a global batch of 1,048,576 tokens, the same in every row" in text
+    big = plan.main(["--params", "70e9", "--world_size", "8", "--micro_batch_s", "8", "--quiet"])
+    assert big["recommendation"] is None
+    assert any(f.startswith("4 machines of 8 GPUs with FSDP inside each") for f in big["what_would_fit"]), big

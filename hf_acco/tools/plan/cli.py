@@ -9,7 +9,9 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from hf_acco.tools.cli_types import NONNEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
+from hf_acco.tools.memory import GIB
 from hf_acco.tools.plan import model as _model
+from hf_acco.tools.plan.memory_fit import setting_bytes, what_would_fit
 from hf_acco.tools.plan.model import (
     CHANGES,
     FITTED,
@@ -28,65 +30,102 @@ from hf_acco.tools.plan.model import (
 )
 
 
-def _table(rows: list[tuple[str, dict[str, float]]], ddp_step: float) -> str:
-    out = ["| method | step (s) | / DDP | tokens/s | compute (s) | communication (s) | exposed (s) | overhead (s) |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+def _table(rows: list[tuple[str, dict[str, float]]], ddp_step: float, gpu_bytes: float) -> str:
+    out = ["| method | step (s) | / DDP | tokens/s | memory per GPU (GB) | compute (s) | communication (s) | "
+           "exposed (s) | overhead (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, r in rows:
         cells = [f"{r['step_s']:.3f}", f"{r['step_s'] / ddp_step:.2f}", f"{r['tokens_per_s']:,.0f}"]
+        fits = "" if r["memory_bytes"] < gpu_bytes else " (does not fit)"
+        cells.append(f"{r['memory_bytes'] / 1e9:.1f}{fits}")
         cells += [f"{r[key]:.3f}" for key in ("compute_s", "comm_s", "exposed_s", "overhead_s")]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
-def report(job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05) -> str:
-    """The planner's printout: the table at the stated settings, the recommendation and the formulas."""
-    rows = [(NAMES[m], predict(*m, job, cluster, c)) for m in METHODS]
+def _memory(cluster: Cluster) -> Any:
+    return lambda method, job: setting_bytes(method, job, cluster)
+
+
+def report(
+    job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05, gpu_gib: float = 80.0, explain: bool = False
+) -> str:
+    """The planner's printout: the table at the stated settings (each method's memory per GPU beside it), the
+    recommendation among the settings that fit, at the user's global batch; the formulas with ``explain``."""
+    gpu_bytes = gpu_gib * GIB
+    rows = [(NAMES[m], {**predict(*m, job, cluster, c), "memory_bytes": setting_bytes(m[0], job, cluster)})
+            for m in METHODS]  # fmt: skip
     ddp_step = rows[0][1]["step_s"]
-    rec = recommend(job, cluster, c, tolerance)
+    rec = recommend(job, cluster, c, tolerance, ks=[job.micro_batches], memory=_memory(cluster), gpu_bytes=gpu_bytes)
     ch = rec["choice"]
     lines = [
-        f"Cluster: {cluster.gpus} GPUs, {cluster.nodes} node(s) of {cluster.local}, intra {cluster.intra_gbit:g} "
-        f"Gbit/s per GPU, inter {cluster.inter_gbit:g} Gbit/s per node; model {job.params:.3g} parameters, "
-        f"{job.param_bytes}-byte weights, {WIRES[job.grad_bytes]} gradients on the wire (ACCO, ZeRO-1)"
+        f"Cluster: {cluster.gpus} GPUs of {gpu_gib:g} GiB, {cluster.nodes} node(s) of {cluster.local}, intra "
+        f"{cluster.intra_gbit:g} Gbit/s per GPU, inter {cluster.inter_gbit:g} Gbit/s per node; model "
+        f"{job.params:.3g} parameters, {job.param_bytes}-byte weights, {WIRES[job.grad_bytes]} gradients on the "
+        "wire (ACCO, ZeRO-1)"
         + (f", {CHANGES[job.gather_bytes]} parameter changes; " if job.gather_bytes in CHANGES else "; ")
         + f"{job.micro_batches} micro-batches per rank per step of "
-        f"{', '.join(f'{t:g}' for t in sorted(set(job.micro_batch_s)))} s, {job.micro_batch_tokens} tokens each.",
-        f"Constants (round / all-reduce): alpha {c.alpha_s['round'] * 1e6:.0f} / {c.alpha_s['all_reduce'] * 1e6:.0f}"
-        f" us, efficiency {c.efficiency['round']:.2f} / {c.efficiency['all_reduce']:.2f}; step overhead "
-        + ", ".join(f"{m} {v * 1e3:.0f} ms" for m, v in c.overhead_s.items())
-        + f" ({c.source}).",
+        f"{', '.join(f'{t:g}' for t in sorted(set(job.micro_batch_s)))} s, {job.micro_batch_tokens} tokens each "
+        f"(a global batch of {job.micro_batches * cluster.gpus * job.micro_batch_tokens:,} tokens, the same in "
+        "every row).",
         "",
-        _table(rows, ddp_step),
+        _table(rows, ddp_step, gpu_bytes),
         "",
-        f"Recommended: {NAMES[(ch['method'], ch['accumulation'])]} with {ch['micro_batches']} micro-batches per rank "
-        f"per step: {ch['step_s']:.3f} s/step, "
-        f"{ch['tokens_per_s']:,.0f} tokens/s (the best setting up to {job.micro_batches} micro-batches: "
-        f"{rec['best_tokens_per_s']:,.0f}; chosen as the smallest batch within {tolerance:.0%} of it).",
+        "Memory per GPU: hf_acco.memory's peak (ZeRO-1: the engine's sync schedule; DDP: weights, fp32 gradients, "
+        "master and Adam moments), activations not counted.",
     ]
-    if ch["method"] == "ddp":
-        lines.append(f"  transformers.Trainer, gradient_accumulation_steps={ch['micro_batches']}")
+    over = [f"{name} needs {r['memory_bytes'] / 1e9:.1f} GB" for name, r in rows if r["memory_bytes"] >= gpu_bytes]
+    if over:
+        lines.append(f"Over a GPU of {gpu_gib:g} GiB ({gpu_bytes / 1e9:.1f} GB): " + "; ".join(over) + ".")
+    if ch is None:
+        fixes = what_would_fit(job, cluster, gpu_bytes)
+        lines += ["", f"Nothing fits a GPU of {gpu_gib:g} GiB at these settings."]
+        lines += ["What would (ACCO):", *(f"  {f}" for f in fixes)] if fixes else [
+            "Nor with bf16 sums, int8 on the wire, twice the machines or FSDP inside each machine."]  # fmt: skip
     else:
-        schedule = "acco" if ch["method"] == "acco" else "sync"
-        lines.append(f"  ACCOTrainer: acco_schedule={schedule!r}, acco_accumulation={ch['accumulation']!r}, "
-                     f"gradient_accumulation_steps={ch['micro_batches']}")  # fmt: skip
-    if ch["method"] != "ddp":
-        wire = WIRES[ch["grad_bytes"]]
-        gather = f", acco_gather_dtype={CHANGES[job.gather_bytes]!r}" if job.gather_bytes in CHANGES else ""
-        lines.append(f"  acco_comm_dtype={wire!r} (gradients on the wire){gather}, acco_bucket_numel="
-                     f"{bucket_numel(replace(job, grad_bytes=ch['grad_bytes']), cluster, c)} (latency under 5 % "
-                     "of a bucket's transfer)")  # fmt: skip
-    lines += ["", _model.__doc__.split("**Collectives**")[1].split("``overhead`` is")[0].strip()]
+        lines.append("")
+        lines += _recommendation(job, cluster, c, ch, gpu_bytes)
+    lines += ["", f"Constants (round / all-reduce): alpha {c.alpha_s['round'] * 1e6:.0f} / "
+              f"{c.alpha_s['all_reduce'] * 1e6:.0f} us, efficiency {c.efficiency['round']:.2f} / "
+              f"{c.efficiency['all_reduce']:.2f}; step overhead "
+              + ", ".join(f"{m} {v * 1e3:.0f} ms" for m, v in c.overhead_s.items()) + f" ({c.source})."]  # fmt: skip
+    if explain:
+        lines += ["", _model.__doc__.split("**Collectives**")[1].split("``overhead`` is")[0].strip()]
+    else:
+        lines.append("The formulas: --explain.")
     return "\n".join(lines)
 
 
+def _recommendation(job: Job, cluster: Cluster, c: Constants, ch: dict[str, Any], gpu_bytes: float) -> list[str]:
+    left = gpu_bytes - ch["memory_bytes"]
+    lines = [
+        f"Recommended: {NAMES[(ch['method'], ch['accumulation'])]}, {ch['micro_batches']} micro-batches per rank per "
+        f"step: {ch['step_s']:.3f} s/step, {ch['tokens_per_s']:,.0f} tokens/s, {ch['memory_bytes'] / 1e9:.1f} GB per "
+        f"GPU ({left / 1e9:.1f} GB left for activations)."
+    ]
+    if ch["method"] == "ddp":
+        lines.append(f"  transformers.Trainer, gradient_accumulation_steps={ch['micro_batches']}")
+        return lines
+    schedule = "acco" if ch["method"] == "acco" else "sync"
+    lines.append(f"  ACCOTrainer: acco_schedule={schedule!r}, acco_accumulation={ch['accumulation']!r}, "
+                 f"gradient_accumulation_steps={ch['micro_batches']}")  # fmt: skip
+    wire = WIRES[ch["grad_bytes"]]
+    gather = f", acco_gather_dtype={CHANGES[job.gather_bytes]!r}" if job.gather_bytes in CHANGES else ""
+    lines.append(f"  acco_comm_dtype={wire!r} (gradients on the wire){gather}, acco_bucket_numel="
+                 f"{bucket_numel(replace(job, grad_bytes=ch['grad_bytes']), cluster, c)} (latency under 5 % "
+                 "of a bucket's transfer)")  # fmt: skip
+    return lines
+
+
 # The typical clusters of the README's table (`python -m hf_acco.plan --examples` renders it): a 1.3 B-parameter
-# bf16 model, micro-batches of 8 x 2048 tokens at 0.32 s on a GPU, up to 8 per step, A100 NVLink inside a node
+# bf16 model, micro-batches of 8 x 2048 tokens, 8 per step, on A100s (NVLink inside a node): 6 x 1.3e9 x 16384 =
+# 1.3e14 FLOP a micro-batch, 0.8 s at about 160 TFLOP/s (half the A100's 312 bf16 peak: 50 % MFU)
 COMMON = ["--params", "1.3e9", "--micro_batches", "8", "--intra_gbit", "2400", "--gpus_per_node", "8"]
 # (--world_size: all GPUs of the job)
 EXAMPLES = (
-    ("1 node x 8 GPUs (NVLink)", [*COMMON, "--world_size", "8", "--micro_batch_s", "0.32"]),
-    ("4 x 8 over 100 Gbit/s", [*COMMON, "--world_size", "32", "--inter_gbit", "100", "--micro_batch_s", "0.32"]),
-    ("16 x 8 over 25 Gbit/s", [*COMMON, "--world_size", "128", "--inter_gbit", "25", "--micro_batch_s", "0.32"]),
+    ("1 node x 8 GPUs (NVLink)", [*COMMON, "--world_size", "8", "--micro_batch_s", "0.8"]),
+    ("4 x 8 over 100 Gbit/s", [*COMMON, "--world_size", "32", "--inter_gbit", "100", "--micro_batch_s", "0.8"]),
+    ("16 x 8 over 25 Gbit/s", [*COMMON, "--world_size", "128", "--inter_gbit", "25", "--micro_batch_s", "0.8"]),
+    ("16 x 8 over 10 Gbit/s", [*COMMON, "--world_size", "128", "--inter_gbit", "10", "--micro_batch_s", "0.8"]),
     (
         "8 fast + 8 slow (2.5x) over 100 Gbit/s",
         [
@@ -96,8 +135,8 @@ EXAMPLES = (
             "--inter_gbit",
             "100",
             "--micro_batch_s",
-            "0.32",
             "0.8",
+            "2.0",
             "--group_gpus",
             "8",
             "8",
@@ -119,6 +158,9 @@ def examples_table() -> str:
         out = main([*argv, "--quiet"])
         steps = [out["predictions"][f"{m}:{a}"]["step_s"] for m, a in METHODS]
         ch = out["recommendation"]
+        if ch is None:  # (not in these examples: a 1.3B model fits every setting)
+            lines.append(f"| {name} | " + " | ".join(f"{t:.2f}" for t in steps) + " | nothing fits | - |")
+            continue
         wire = WIRES[ch["grad_bytes"]]
         k = ch["micro_batches"]
         how = f"{NAMES[(ch['method'], ch['accumulation'])]}, {k} micro-batch{'es' if k > 1 else ''}"
@@ -221,6 +263,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--efficiency", type=EFFICIENCY, default=None, help="override the fitted share of the link rate")
     p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.tools.bench.scaling`")
+    p.add_argument("--gpu_gib", type=POSITIVE_FLOAT, default=80.0, help="each GPU's memory (an 80 GB GPU: 80)")
+    p.add_argument("--explain", action="store_true", help="print the cost model's formulas too")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.add_argument("--quiet", action="store_true", help="print nothing (for callers that read the returned dict)")
     p.add_argument("--examples", action="store_true", help="print the table of typical clusters, with commands")
@@ -258,14 +302,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.alpha_us is None and args.backend == "nccl":
         args.alpha_us = NCCL_ALPHA_US
     if args.alpha_us is not None:
-        c = replace(c, alpha_s=dict.fromkeys(c.alpha_s, args.alpha_us * 1e-6), source=f"{c.source}, alpha stated")
+        whose = "NCCL's stated" if args.backend == "nccl" and args.alpha_us == NCCL_ALPHA_US else "stated"
+        c = replace(c, alpha_s=dict.fromkeys(c.alpha_s, args.alpha_us * 1e-6), source=f"{c.source}; alpha {whose}")
     if args.efficiency is not None:
         stated = dict.fromkeys(c.efficiency, args.efficiency)
         c = replace(c, efficiency=stated, source=f"{c.source}, efficiency stated")
     job = job_from_args(args, parser)
     cluster = Cluster(args.gpus, args.gpus_per_node, args.intra_gbit, args.inter_gbit, args.backend)
-    out = {"constants": asdict(c), "predictions": {f"{m}:{a}": predict(m, a, job, cluster, c) for m, a in METHODS},
-           "recommendation": recommend(job, cluster, c)["choice"]}  # fmt: skip
+    memory = _memory(cluster)
+    predictions = {f"{m}:{a}": {**predict(m, a, job, cluster, c), "memory_bytes": memory(m, job)} for m, a in METHODS}
+    rec = recommend(job, cluster, c, ks=[job.micro_batches], memory=memory, gpu_bytes=args.gpu_gib * GIB)
+    fixes = what_would_fit(job, cluster, args.gpu_gib * GIB) if rec["choice"] is None else []
+    out = {"constants": asdict(c), "gpu_gib": args.gpu_gib, "predictions": predictions,
+           "recommendation": rec["choice"], "what_would_fit": fixes}  # fmt: skip
     if not args.quiet:
-        print(json.dumps(out, indent=1) if args.json else report(job, cluster, c))
+        print(json.dumps(out, indent=1) if args.json else report(job, cluster, c, gpu_gib=args.gpu_gib,
+                                                                  explain=args.explain))  # fmt: skip
     return out

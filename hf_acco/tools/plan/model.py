@@ -63,7 +63,7 @@ import heapq
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -105,7 +105,9 @@ FITTED = Constants(
     alpha_s={"round": 0.0, "all_reduce": 0.0},
     efficiency={"round": 0.888, "all_reduce": 0.983},
     overhead_s={"ddp": 0.000, "sync": 0.000, "acco": 0.000},
-    source="fitted on the benchmark (recipes/results/scaling/constants.json)",
+    source="efficiencies and overheads fitted with gloo on CPU ranks over shaped 200 Mbit/s links, emulated "
+    "compute (python -m hf_acco.tools.bench.scaling, recipes/results/scaling/constants.json), applied to NCCL "
+    "unchanged; on your cluster, fit them with that benchmark and pass --constants, or state --efficiency",
 )
 
 
@@ -279,12 +281,16 @@ def recommend(
     ks: Sequence[int] | None = None,
     methods: Sequence[tuple[str, str]] = METHODS,
     grad_bytes: Sequence[float] | None = None,
+    memory: Callable[[str, Job], float] | None = None,
+    gpu_bytes: float | None = None,
 ) -> dict[str, Any]:
     """The method, accumulation, micro-batches per step (``ks``; default 1, 2, 4, ... up to
     ``job.micro_batches``) and gradient dtype on the wire for ACCO / ZeRO-1 (``grad_bytes``; default the stated
     one, and bf16 too when fp32 is stated) of the most tokens/s; among settings within ``tolerance`` of it, the
     one with the fewest micro-batches (a smaller global batch converges better per token), then the first in
-    :data:`METHODS` (DDP, ZeRO-1, ACCO fixed, ACCO dynamic: the simpler first), then fp32 on the wire (exact)."""
+    :data:`METHODS` (DDP, ZeRO-1, ACCO fixed, ACCO dynamic: the simpler first), then fp32 on the wire (exact).
+    With ``memory`` (bytes per GPU of a method's setting) and ``gpu_bytes``, only the settings that fit are chosen
+    from; ``choice`` is None when none does."""
     options: list[dict[str, Any]] = []
     times = job.times(cluster.gpus)
     wires = grad_bytes or ((4, 2) if job.grad_bytes == 4 else (job.grad_bytes,))
@@ -293,11 +299,17 @@ def recommend(
             if acc == "dynamic" and max(times) <= 1.05 * min(times):
                 continue  # all ranks about equally fast: dynamic can only match fixed
             for wire in wires if method != "ddp" else (job.grad_bytes,):  # DDP: the model's dtype
-                pred = predict(method, acc, replace(job, micro_batches=k, grad_bytes=wire), cluster, c)
+                setting = replace(job, micro_batches=k, grad_bytes=wire)
+                pred = predict(method, acc, setting, cluster, c)
                 options.append({"method": method, "accumulation": acc, "micro_batches": k, "grad_bytes": wire,
                                 "order": order, **pred})  # fmt: skip
-    best = max(o["tokens_per_s"] for o in options)
-    close = [o for o in options if o["tokens_per_s"] >= (1 - tolerance) * best]
+                if memory is not None:
+                    options[-1]["memory_bytes"] = memory(method, setting)
+    fitting = [o for o in options if gpu_bytes is None or o.get("memory_bytes", 0) < gpu_bytes]
+    if not fitting:
+        return {"choice": None, "options": options, "best_tokens_per_s": None}
+    best = max(o["tokens_per_s"] for o in fitting)
+    close = [o for o in fitting if o["tokens_per_s"] >= (1 - tolerance) * best]
     choice = min(close, key=lambda o: (o["micro_batches"], o["order"], -o["grad_bytes"]))
     return {"choice": choice, "options": options, "best_tokens_per_s": best}
 
