@@ -218,3 +218,73 @@ def test_a_gpu_size_gets_a_verdict_and_what_would_hold_less(capsys) -> None:
     assert loaded_in_bf16 == bf16["persistent_bytes"]
     memory.main(["--params", "7e9", "--world_size", "8", "--param_dtype", "fp32", "--gpu_gib", "80"])
     assert "Does not fit a GPU of 80 GiB" in capsys.readouterr().out
+
+
+def test_memory_reads_a_models_shape_from_its_config(tmp_path) -> None:
+    """--config (a transformers config.json, offline): the parameter count of the model it builds, tied weights
+    once, for three architectures; the same figures as --params with that count."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig
+
+    from hf_acco.tools.model_shape import shape_from_config
+
+    configs = {
+        "llama": LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                             num_attention_heads=4, tie_word_embeddings=True),
+        "gpt2": GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0),
+        "neox": GPTNeoXConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                              num_attention_heads=4),
+    }  # fmt: skip
+    for name, config in configs.items():
+        config.save_pretrained(tmp_path / name)
+        built = AutoModelForCausalLM.from_config(config)
+        shape = shape_from_config(tmp_path / name / "config.json")
+        assert shape.params == sum(p.numel() for p in built.parameters()), name
+    argv = [sys.executable, "-m", "hf_acco.memory", "--world_size", "2", "--gpus_per_node", "2", "--json"]
+    by_config = json.loads(subprocess.run([*argv, "--config", str(tmp_path / "llama")], capture_output=True,
+                                          text=True, check=True).stdout)  # fmt: skip
+    params = shape_from_config(tmp_path / "llama").params
+    by_count = json.loads(subprocess.run([*argv, "--params", str(params)], capture_output=True, text=True,
+                                         check=True).stdout)  # fmt: skip
+    assert by_config["params"] == params and by_config["persistent_bytes"] == by_count["persistent_bytes"]
+    bad = subprocess.run([*argv[:-1], "--params", "1e9", "--micro_batch_size", "4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "needs --config" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_activation_estimate_is_within_20_percent_of_what_a_forward_saves(tmp_path) -> None:
+    """The bytes a bf16 Llama's forward saves for its backward (saved_tensors_hooks), on a shape other than the one
+    the constants came from, against model_shape.activation_bytes: without checkpointing, and with it (the layers'
+    inputs and what lies outside them; the one layer recomputed at a time is not saved by the forward)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_acco.tools.model_shape import activation_bytes, layer_bytes_per_token, shape_from_config
+
+    config = LlamaConfig(vocab_size=2000, hidden_size=192, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config.save_pretrained(tmp_path)
+    shape = shape_from_config(tmp_path)
+    b, s = 2, 96
+
+    def saved(checkpointing: bool) -> int:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        seen: dict[tuple, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[(t.data_ptr(), t.numel(), t.dtype)] = t.numel() * t.element_size()
+            return t
+
+        ids = torch.randint(0, 2000, (b, s))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(seen.values())
+
+    full = activation_bytes(shape, b * s, checkpointing=False)
+    assert abs(full / saved(False) - 1) < 0.2, (full, saved(False))
+    kept = activation_bytes(shape, b * s, checkpointing=True) - b * s * layer_bytes_per_token(shape)
+    assert abs(kept / saved(True) - 1) < 0.2, (kept, saved(True))

@@ -47,6 +47,7 @@ from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
 from hf_acco.engine.optim import estimate_window
 from hf_acco.tools.cli_types import POSITIVE_FLOAT, POSITIVE_INT
+from hf_acco.tools.model_shape import shape_and_activations
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_STATE_PER_ELEMENT = 2  # exp_avg, exp_avg_sq
@@ -290,7 +291,11 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hf_acco.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--params", type=POSITIVE_FLOAT, required=True, help="trainable parameters, e.g. 7e9")
+    p.add_argument("--params", type=POSITIVE_FLOAT, default=None, help="trainable parameters, e.g. 7e9")
+    p.add_argument("--config", default=None, help="a transformers config.json (or its folder): the model's shape")
+    p.add_argument("--micro_batch_size", type=POSITIVE_INT, default=None, help="with --config: sequences per GPU")
+    p.add_argument("--seq_len", type=POSITIVE_INT, default=2048, help="with --micro_batch_size: tokens a sequence")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="activations with checkpointing")
     p.add_argument("--world_size", type=POSITIVE_INT, default=8)
     p.add_argument(
         "--gpus_per_node", type=POSITIVE_INT, default=8, help="ranks per machine (pinned host memory per node)"
@@ -324,6 +329,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     p = make_parser()
     args = p.parse_args(argv)
+    _, activations = shape_and_activations(args, p)
     numel, param, grad = int(args.params), DTYPES[args.param_dtype], DTYPES[args.grad_dtype]
     sent = param if args.comm_dtype in ("auto", "int8") else DTYPES[args.comm_dtype]  # int8 packs what auto sends
     wire: torch.dtype | str = "int8" if args.comm_dtype == "int8" else sent
@@ -348,11 +354,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.fsdp_shard > 1:
         settings["fsdp_shard"] = args.fsdp_shard
     lower = lower_settings(args, numel, param, wire, grad, report.persistent_bytes)
-    left = None if args.gpu_gib is None else int(args.gpu_gib * GIB) - report.peak_bytes
+    left = None if args.gpu_gib is None else int(args.gpu_gib * GIB) - report.peak_bytes - (activations or 0)
     if not args.json:
         print(table(report, numel, args.world_size, param, settings, args.gpus_per_node, args.fsdp_shard))
+        if activations is not None:
+            print(f"\nActivations, roughly (hf_acco/tools/model_shape.py): {_gb(activations)} for "
+                  f"{args.micro_batch_size} x {args.seq_len} tokens"
+                  + (" with gradient checkpointing" if args.gradient_checkpointing else ""))  # fmt: skip
         if left is not None:
-            print(f"\n{verdict(left, args.gpu_gib)}")
+            print(f"\n{verdict(left, args.gpu_gib, activations is not None)}")
         if lower:
             print("\nWhat would lower the persistent bytes per rank:")
             print("\n".join(f"- {k}: {_gb(n)}" for k, n in lower.items()))
@@ -370,20 +380,22 @@ def main(argv: list[str] | None = None) -> None:
     out.update(host=report.host, host_transient=report.host_transient)
     out["baselines_persistent_bytes"] = baselines(numel, args.world_size, param, args.fsdp_shard)
     out["lower_persistent_bytes"] = lower
+    out["activation_bytes"] = activations
     if left is not None:
         out.update(gpu_gib=args.gpu_gib, fits=left > 0, left_for_activations_bytes=left)
     print(json.dumps(out))
 
 
-def verdict(left: int, gpu_gib: float) -> str:
-    """Whether the engine's peak leaves room in a GPU of ``gpu_gib``: what remains is for the activations, the
-    CUDA context, NCCL and the allocator's fragmentation (a few GiB of which are never the user's)."""
+def verdict(left: int, gpu_gib: float, activations: bool = False) -> str:
+    """Whether the engine's peak (and the activations, when counted) leaves room in a GPU of ``gpu_gib``: what
+    remains is for the activations, the CUDA context, NCCL and the allocator's fragmentation (a few GiB of which
+    are never the user's)."""
     if left > 0:
-        return (
-            f"Fits a GPU of {gpu_gib:g} GiB: {_gb(left)} left for the activations (and the CUDA context, NCCL and "
-            "fragmentation: a few GiB)."
-        )
-    return f"Does not fit a GPU of {gpu_gib:g} GiB: {_gb(-left)} over, before any activation."
+        what = "the CUDA context, NCCL and fragmentation (a few GiB)" if activations else (
+            "the activations (and the CUDA context, NCCL and fragmentation: a few GiB)")  # fmt: skip
+        return f"Fits a GPU of {gpu_gib:g} GiB: {_gb(left)} left for {what}."
+    return f"Does not fit a GPU of {gpu_gib:g} GiB: {_gb(-left)} over" + (
+        ", with the activations." if activations else ", before any activation.")  # fmt: skip
 
 
 def lower_settings(
