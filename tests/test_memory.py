@@ -288,3 +288,26 @@ def test_the_activation_estimate_is_within_20_percent_of_what_a_forward_saves(tm
     assert abs(full / saved(False) - 1) < 0.2, (full, saved(False))
     kept = activation_bytes(shape, b * s, checkpointing=True) - b * s * layer_bytes_per_token(shape)
     assert abs(kept / saved(True) - 1) < 0.2, (kept, saved(True))
+
+
+def test_the_report_is_within_3_percent_of_what_a_gpu_held() -> None:
+    """Every committed GPU results file (benchmarks/results/gpu_check_*.json, `make gpu-check`): the memory the run
+    held at a step end against the report, recomputed now from the run's settings (a change to the report's model
+    that the GPU contradicts fails here). The step end holds the engine's buffers, the model and Trainer's
+    few small tensors: the report's persistent bytes."""
+    import json
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("gpu_check_*.json"))
+    if not files:
+        pytest.skip("no GPU results committed (benchmarks/results/gpu_check_*.json)")
+    checked = 0
+    for path in files:
+        for method, run in json.loads(path.read_text())["runs"].items():
+            if not method.startswith("acco_") or run.get("step_end_allocated_bytes") is None:
+                continue
+            report = engine_memory(run["params"], 1, param_dtype=torch.bfloat16, comm_dtype="auto",
+                                   schedule=method.removeprefix("acco_"), ranks_per_node=1)  # fmt: skip
+            assert abs(report.persistent_bytes / run["step_end_allocated_bytes"] - 1) < 0.03, (path.name, method)
+            checked += 1
+    assert checked

@@ -337,3 +337,15 @@ def test_the_planner_keeps_the_global_batch_and_recommends_only_what_fits() -> N
     big = plan.main(["--params", "70e9", "--world_size", "8", "--micro_batch_s", "8", "--quiet"])
     assert big["recommendation"] is None
     assert any(f.startswith("4 machines of 8 GPUs with FSDP inside each") for f in big["what_would_fit"]), big
+
+
+def test_the_planner_reads_the_parameter_count_from_a_config(tmp_path) -> None:
+    from transformers import LlamaConfig
+
+    from hf_acco.tools.model_shape import shape_from_config
+
+    LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                num_attention_heads=4).save_pretrained(tmp_path)  # fmt: skip
+    argv = ["--world_size", "8", "--micro_batch_s", "0.1", "--quiet"]
+    params = shape_from_config(tmp_path).params
+    assert plan.main([*argv, "--config", str(tmp_path)]) == plan.main([*argv, "--params", str(params)])

@@ -184,7 +184,8 @@ def EFFICIENCY(text: str) -> float:  # noqa: N802 - an argparse type, named as t
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_acco.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--params", type=POSITIVE_FLOAT, help="trainable parameters, e.g. 1.3e9 (required)")
+    p.add_argument("--params", type=POSITIVE_FLOAT, help="trainable parameters, e.g. 1.3e9 (or --config)")
+    p.add_argument("--config", default=None, help="a transformers config.json (or its folder): its parameter count")
     p.add_argument(
         "--world_size",
         "--gpus",
@@ -271,8 +272,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
+    if args.params is None and getattr(args, "config", None) is not None:
+        from hf_acco.tools.model_shape import shape_from_config
+
+        try:
+            args.params = float(shape_from_config(args.config).params)
+        except (ValueError, OSError) as e:
+            parser.error(str(e))
     if args.params is None or args.gpus is None:
-        parser.error("state --params (trainable parameters) and --world_size (GPUs, all nodes together)")
+        parser.error("state --params (trainable parameters) or --config, and --world_size (GPUs, all nodes together)")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         parser.error(f"--world_size ({args.gpus}) is whole nodes of --gpus_per_node ({args.gpus_per_node}) GPUs")
     if (args.micro_batch_s is None) == (args.tokens_per_s is None):
