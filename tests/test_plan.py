@@ -349,3 +349,31 @@ def test_the_planner_reads_the_parameter_count_from_a_config(tmp_path) -> None:
     argv = ["--world_size", "8", "--micro_batch_s", "0.1", "--quiet"]
     params = shape_from_config(tmp_path).params
     assert plan.main([*argv, "--config", str(tmp_path)]) == plan.main([*argv, "--params", str(params)])
+
+
+def _calibrate(rank: int, world_size: int, out: str) -> dict:
+    from hf_acco.tools.plan import calibrate
+
+    return calibrate.main(["--link_gbit", "10", "--sizes", "1e6", "4e6", "8e6", "--repeats", "3", "--out", out])
+
+
+def test_calibration_on_the_users_ranks_writes_constants_the_planner_reads(tmp_path) -> None:
+    """hf_acco.tools.plan.calibrate on 2 gloo ranks: its fit explains its own measurements, and the planner with
+    --constants uses it and says so."""
+    from hf_acco.tools.multiprocess import run_ranks
+
+    out = tmp_path / "constants.json"
+    result = run_ranks(_calibrate, world_size=2, backend=None, out=str(out))[0]
+    saved = json.loads(out.read_text())
+    assert saved["source"].startswith("calibrated on this cluster (2 ranks, gloo")
+    c = plan.load_constants(out)
+    for pt in result["points"]:  # the fitted model reproduces its measurements
+        bw = pt["link_mbit"] * 1e6 / 8
+        model = 2 * (pt["world_size"] - 1) * (c.alpha_s[pt["kind"]] + pt["bytes"] / pt["world_size"] /
+                                              (c.efficiency[pt["kind"]] * bw))  # fmt: skip
+        if pt["bytes"] == 4 * 8e6:  # the largest: the rate, not the latency or the noise of a shared machine
+            assert 1 / 3 < model / pt["seconds"] < 3.0, (pt, model)
+    text = subprocess.run([sys.executable, "-m", "hf_acco.plan", "--params", "1e9", "--world_size", "8",
+                           "--micro_batch_s", "0.5", "--constants", str(out)], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+    assert "calibrated on this cluster" in text

@@ -263,7 +263,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--alpha_us", type=NONNEGATIVE_FLOAT, default=None, help="the latency per ring step (overrides --backend's)"
     )
     p.add_argument("--efficiency", type=EFFICIENCY, default=None, help="override the fitted share of the link rate")
-    p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.tools.bench.scaling`")
+    p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.tools.plan.calibrate` "
+                   "(on your cluster) or of the scaling benchmark")  # fmt: skip
     p.add_argument("--gpu_gib", type=POSITIVE_FLOAT, default=80.0, help="each GPU's memory (an 80 GB GPU: 80)")
     p.add_argument("--explain", action="store_true", help="print the cost model's formulas too")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(examples_table())
         return {}
     c = load_constants(args.constants) if args.constants else FITTED
-    if args.alpha_us is None and args.backend == "nccl":
+    if args.alpha_us is None and args.backend == "nccl" and not args.constants:  # (a calibrated file has its own)
         args.alpha_us = NCCL_ALPHA_US
     if args.alpha_us is not None:
         whose = "NCCL's stated" if args.backend == "nccl" and args.alpha_us == NCCL_ALPHA_US else "stated"
