@@ -342,13 +342,22 @@ def test_the_planner_keeps_the_global_batch_and_recommends_only_what_fits() -> N
 def test_the_planner_reads_the_parameter_count_from_a_config(tmp_path) -> None:
     from transformers import LlamaConfig
 
-    from hf_acco.tools.model_shape import shape_from_config
+    from hf_acco.tools.model_shape import activation_bytes, shape_from_config
 
     LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                 num_attention_heads=4).save_pretrained(tmp_path)  # fmt: skip
-    argv = ["--world_size", "8", "--micro_batch_s", "0.1", "--quiet"]
-    params = shape_from_config(tmp_path).params
-    assert plan.main([*argv, "--config", str(tmp_path)]) == plan.main([*argv, "--params", str(params)])
+    argv = ["--world_size", "8", "--micro_batch_size", "4", "--seq_len", "512", "--quiet"]
+    shape = shape_from_config(tmp_path)
+    by_config = plan.main([*argv, "--micro_batch_s", "0.1", "--config", str(tmp_path)])
+    by_count = plan.main([*argv, "--micro_batch_s", "0.1", "--params", str(shape.params)])
+    activations = activation_bytes(shape, 4 * 512, checkpointing=False)  # counted once the shape is known
+    for key, predicted in by_count["predictions"].items():
+        assert by_config["predictions"][key]["step_s"] == predicted["step_s"]
+        assert by_config["predictions"][key]["memory_bytes"] == predicted["memory_bytes"] + activations
+    # --gpu: the micro-batch's time from the GPU's bf16 peak and the MFU, its memory for --gpu_gib
+    h100 = plan.main([*argv, "--params", "1e9", "--gpu", "h100-80gb", "--mfu", "0.5", "--json"])
+    assert h100["gpu_gib"] == 80.0
+    assert h100["predictions"]["ddp:fixed"]["compute_s"] == pytest.approx(8 * 6 * 1e9 * 2048 / (989e12 * 0.5))
 
 
 def _calibrate(rank: int, world_size: int, out: str) -> dict:

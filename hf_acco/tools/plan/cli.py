@@ -42,20 +42,34 @@ def _table(rows: list[tuple[str, dict[str, float]]], ddp_step: float, gpu_bytes:
     return "\n".join(out)
 
 
-def _memory(cluster: Cluster) -> Any:
-    return lambda method, job: setting_bytes(method, job, cluster)
+def _memory(cluster: Cluster, activations: int = 0) -> Any:
+    return lambda method, job: setting_bytes(method, job, cluster) + activations
+
+
+def _activations(args: argparse.Namespace, job: Job) -> int:
+    """A micro-batch's activations (rough: model_shape.py) when the model's shape is known (--config), else 0."""
+    if getattr(args, "config", None) is None:
+        return 0
+    from hf_acco.tools.model_shape import activation_bytes, shape_from_config
+
+    return activation_bytes(shape_from_config(args.config), job.micro_batch_tokens, args.gradient_checkpointing)
+
+
+# Dense bf16 tensor-core peak (FLOP/s) and memory (GiB) of common GPUs (NVIDIA's datasheets)
+GPUS = {"a100-40gb": (312e12, 40), "a100-80gb": (312e12, 80), "h100-80gb": (989e12, 80), "h200": (989e12, 141)}
 
 
 def report(
-    job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05, gpu_gib: float = 80.0, explain: bool = False
-) -> str:
+    job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05, gpu_gib: float = 80.0, explain: bool = False,
+    activations: int = 0,
+) -> str:  # fmt: skip
     """The planner's printout: the table at the stated settings (each method's memory per GPU beside it), the
     recommendation among the settings that fit, at the user's global batch; the formulas with ``explain``."""
     gpu_bytes = gpu_gib * GIB
-    rows = [(NAMES[m], {**predict(*m, job, cluster, c), "memory_bytes": setting_bytes(m[0], job, cluster)})
-            for m in METHODS]  # fmt: skip
+    memory = _memory(cluster, activations)
+    rows = [(NAMES[m], {**predict(*m, job, cluster, c), "memory_bytes": memory(m[0], job)}) for m in METHODS]
     ddp_step = rows[0][1]["step_s"]
-    rec = recommend(job, cluster, c, tolerance, ks=[job.micro_batches], memory=_memory(cluster), gpu_bytes=gpu_bytes)
+    rec = recommend(job, cluster, c, tolerance, ks=[job.micro_batches], memory=memory, gpu_bytes=gpu_bytes)
     ch = rec["choice"]
     lines = [
         f"Cluster: {cluster.gpus} GPUs of {gpu_gib:g} GiB, {cluster.nodes} node(s) of {cluster.local}, intra "
@@ -71,13 +85,18 @@ def report(
         _table(rows, ddp_step, gpu_bytes),
         "",
         "Memory per GPU: hf_acco.memory's peak (ZeRO-1: the engine's sync schedule; DDP: weights, fp32 gradients, "
-        "master and Adam moments), activations not counted.",
+        "master and Adam moments), "
+        + (
+            f"with a micro-batch's activations (roughly {activations / 1e9:.1f} GB)."
+            if activations
+            else "activations not counted (--config and --micro_batch_size add them)."
+        ),
     ]
     over = [f"{name} needs {r['memory_bytes'] / 1e9:.1f} GB" for name, r in rows if r["memory_bytes"] >= gpu_bytes]
     if over:
         lines.append(f"Over a GPU of {gpu_gib:g} GiB ({gpu_bytes / 1e9:.1f} GB): " + "; ".join(over) + ".")
     if ch is None:
-        fixes = what_would_fit(job, cluster, gpu_bytes)
+        fixes = what_would_fit(job, cluster, gpu_bytes - activations)
         lines += ["", f"Nothing fits a GPU of {gpu_gib:g} GiB at these settings."]
         lines += ["What would (ACCO):", *(f"  {f}" for f in fixes)] if fixes else [
             "Nor with bf16 sums, int8 on the wire, twice the machines or FSDP inside each machine."]  # fmt: skip
@@ -100,7 +119,7 @@ def _recommendation(job: Job, cluster: Cluster, c: Constants, ch: dict[str, Any]
     lines = [
         f"Recommended: {NAMES[(ch['method'], ch['accumulation'])]}, {ch['micro_batches']} micro-batches per rank per "
         f"step: {ch['step_s']:.3f} s/step, {ch['tokens_per_s']:,.0f} tokens/s, {ch['memory_bytes'] / 1e9:.1f} GB per "
-        f"GPU ({left / 1e9:.1f} GB left for activations)."
+        f"GPU ({left / 1e9:.1f} GB left)."
     ]
     if ch["method"] == "ddp":
         lines.append(f"  transformers.Trainer, gradient_accumulation_steps={ch['micro_batches']}")
@@ -223,8 +242,19 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens_per_s", type=POSITIVE_FLOAT, default=None, help="instead of --micro_batch_s: per GPU")
     p.add_argument(
+        "--gpu", choices=sorted(GPUS), default=None,
+        help="instead of --micro_batch_s: the GPU, whose bf16 peak x --mfu sets it (6 x params x tokens FLOP a "
+        "micro-batch); also --gpu_gib's default",
+    )  # fmt: skip
+    p.add_argument("--mfu", type=EFFICIENCY, default=0.4, help="with --gpu: the share of its peak the model reaches")
+    p.add_argument(
         "--micro_batch_tokens", type=POSITIVE_INT, default=16384, help="tokens of one micro-batch (8 x 2048)"
     )
+    p.add_argument(
+        "--micro_batch_size", type=POSITIVE_INT, default=None, help="sequences a micro-batch (with --seq_len)"
+    )
+    p.add_argument("--seq_len", type=POSITIVE_INT, default=2048, help="tokens a sequence")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="with --config: the activations' memory")
     p.add_argument("--micro_batches", type=POSITIVE_INT, default=8, help="per GPU per step: the most the plan may use")
     p.add_argument(
         "--param_dtype",
@@ -265,7 +295,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--efficiency", type=EFFICIENCY, default=None, help="override the fitted share of the link rate")
     p.add_argument("--constants", default=None, help="a constants.json of `python -m hf_acco.tools.plan.calibrate` "
                    "(on your cluster) or of the scaling benchmark")  # fmt: skip
-    p.add_argument("--gpu_gib", type=POSITIVE_FLOAT, default=80.0, help="each GPU's memory (an 80 GB GPU: 80)")
+    p.add_argument(
+        "--gpu_gib", type=POSITIVE_FLOAT, default=None, help="each GPU's memory (default: --gpu's, else 80)"
+    )
     p.add_argument("--explain", action="store_true", help="print the cost model's formulas too")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.add_argument("--quiet", action="store_true", help="print nothing (for callers that read the returned dict)")
@@ -284,8 +316,13 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("state --params (trainable parameters) or --config, and --world_size (GPUs, all nodes together)")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         parser.error(f"--world_size ({args.gpus}) is whole nodes of --gpus_per_node ({args.gpus_per_node}) GPUs")
+    if args.micro_batch_size is not None:
+        args.micro_batch_tokens = args.micro_batch_size * args.seq_len
+    if args.gpu is not None and args.micro_batch_s is None and args.tokens_per_s is None:
+        peak, _ = GPUS[args.gpu]
+        args.micro_batch_s = [6 * args.params * args.micro_batch_tokens / (peak * args.mfu)]
     if (args.micro_batch_s is None) == (args.tokens_per_s is None):
-        parser.error("state one of --micro_batch_s (seconds per micro-batch) or --tokens_per_s (per GPU)")
+        parser.error("state one of --micro_batch_s (seconds per micro-batch), --tokens_per_s (per GPU) or --gpu")
     times = args.micro_batch_s or [args.micro_batch_tokens / args.tokens_per_s]
     if args.group_gpus is not None:
         if len(args.group_gpus) != len(times) or sum(args.group_gpus) != args.gpus:
@@ -317,14 +354,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         stated = dict.fromkeys(c.efficiency, args.efficiency)
         c = replace(c, efficiency=stated, source=f"{c.source}, efficiency stated")
     job = job_from_args(args, parser)
+    if args.gpu_gib is None:
+        args.gpu_gib = float(GPUS[args.gpu][1]) if args.gpu else 80.0
     cluster = Cluster(args.gpus, args.gpus_per_node, args.intra_gbit, args.inter_gbit, args.backend)
-    memory = _memory(cluster)
+    activations = _activations(args, job)
+    memory = _memory(cluster, activations)
     predictions = {f"{m}:{a}": {**predict(m, a, job, cluster, c), "memory_bytes": memory(m, job)} for m, a in METHODS}
     rec = recommend(job, cluster, c, ks=[job.micro_batches], memory=memory, gpu_bytes=args.gpu_gib * GIB)
-    fixes = what_would_fit(job, cluster, args.gpu_gib * GIB) if rec["choice"] is None else []
+    fixes = what_would_fit(job, cluster, args.gpu_gib * GIB - activations) if rec["choice"] is None else []
     out = {"constants": asdict(c), "gpu_gib": args.gpu_gib, "predictions": predictions,
            "recommendation": rec["choice"], "what_would_fit": fixes}  # fmt: skip
     if not args.quiet:
         print(json.dumps(out, indent=1) if args.json else report(job, cluster, c, gpu_gib=args.gpu_gib,
-                                                                  explain=args.explain))  # fmt: skip
+                                                                  explain=args.explain,
+                                                                  activations=activations))  # fmt: skip
     return out
