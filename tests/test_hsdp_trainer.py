@@ -162,6 +162,7 @@ def _construct(tmp_path: Path, world_size: int, **settings) -> list[dict]:  # no
         ({"shape": [2, 2], "fsdp_config": {"cpu_offload": True}}, "CPU offload is not supported"),
         ({"shape": [2, 2], "fsdp_config": {"activation_checkpointing": True}}, "gradient_checkpointing=True"),
         ({"shape": [2, 2], "acco_accumulation": "dynamic"}, "the ranks of a machine must compute the same"),
+        ({"shape": [2, 2], "save_on_each_node": True}, "save_on_each_node=True with FSDP"),
     ],
 )
 def test_what_fsdp_mode_cannot_run_is_refused_at_construction(tmp_path: Path, settings: dict, message: str) -> None:

@@ -40,6 +40,11 @@ def hsdp_layout(accelerator: Any) -> tuple[int, int] | None:
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is None or pc.dp_replicate_size < 2:
         raise ValueError(ONE_MACHINE)
+    if pc.dp_shard_size < 2:
+        raise ValueError(
+            "dp_shard_size=1: FSDP would shard over one rank. Without FSDP, ACCO alone shards the optimizer state "
+            "(ZeRO-1): remove the FSDP configuration, or set dp_shard_size to the GPUs per machine."
+        )
     if any((getattr(pc, name, 1) or 1) > 1 for name in ("tp_size", "cp_size", "sp_size")):
         raise ValueError(
             "ACCO with FSDP is data parallelism only: tensor, context and sequence parallelism are not supported. "
@@ -58,6 +63,13 @@ def hsdp_layout(accelerator: Any) -> tuple[int, int] | None:
             "FSDP's activation_checkpointing is applied by Accelerate after the model is sharded, which ACCO shards "
             "earlier. Use gradient_checkpointing=True in the training arguments instead (the same recomputation)."
         )
+    if plugin.ignored_modules is not None:
+        raise ValueError(
+            "FSDP's ignored_modules are not supported with ACCO: FSDP does not reduce their gradients inside a "
+            "machine, so the ranks of a machine would drift apart. Freeze them, or leave them to FSDP."
+        )
+    if getattr(accelerator, "mixed_precision", "no") == "fp8":
+        raise ValueError("fp8 training is not supported with ACCO: use mixed_precision='bf16'.")
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None and int(local) != pc.dp_shard_size:
         warnings.warn(
@@ -88,6 +100,16 @@ def shard_within_machines(accelerator: Any, model: torch.nn.Module) -> torch.nn.
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     return fsdp2_prepare_model(_OneMachineView(accelerator), model)
+
+
+def check_args(args: Any) -> None:
+    """What the training arguments ask for that this mode cannot honour (``args``: Trainer's)."""
+    if getattr(args, "save_on_each_node", False):
+        raise ValueError(
+            "save_on_each_node=True with FSDP: the full model files come from the first rank only (FSDP gathers "
+            "them there), so the other machines' checkpoints would lack them. Save to a file system every machine "
+            "shares (save_on_each_node=False)."
+        )
 
 
 def replicate_group(accelerator: Any) -> dist.ProcessGroup:

@@ -147,9 +147,11 @@ def save_fsdp_model_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
     """The committed parameters in Accelerate's FSDP model files (``pytorch_model_fsdp.bin``, or the sharded folder
     with ``SHARDED_STATE_DICT``), as Trainer's FSDP checkpoint has them: its resume loads them. Collective."""
     from accelerate.utils import save_fsdp_model
+    from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
 
-    with engine_of(trainer).committed_parameters():
-        save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, output_dir)
+    with engine_of(trainer).committed_parameters():  # (the keyword arguments Trainer's FSDP save and load pass)
+        save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, output_dir,
+                        **get_fsdp_ckpt_kwargs())  # fmt: skip
 
 
 def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:

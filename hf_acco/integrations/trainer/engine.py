@@ -106,6 +106,7 @@ def check_trainer(trainer: ACCOTrainerMixin) -> None:
         check_elementwise(cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
     check_world_size(trainer.accelerator.num_processes)
     if fsdp.hsdp_layout(trainer.accelerator) is not None:  # FSDP inside machines: refusals before any work
+        fsdp.check_args(args)
         if engine_accumulation(args) == "paced":
             raise ValueError(
                 "acco_accumulation='dynamic' with FSDP: the ranks of a machine must compute the same micro-batches "
@@ -188,6 +189,11 @@ def optimizer_groups(trainer: ACCOTrainerMixin, model: torch.nn.Module, taken: A
 
 def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> torch.optim.Optimizer:
     """Trainer's ``create_optimizer``: the ACCOOptimizer with the trainer's settings, prepared by Accelerate."""
+    if fsdp.hsdp_layout(trainer.accelerator) is not None:
+        # the engine takes each micro-batch's reduce-scattered shard in FSDP's gradient hooks: Trainer's no_sync
+        # (FSDP's set_requires_gradient_sync(False)) would accumulate full unsharded gradients and fire no hook.
+        # Set at every train(): another Accelerator made in this process resets the shared gradient state.
+        trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
     reused = reuse_engine(trainer)
     if reused is not None:
         return reused
@@ -205,9 +211,6 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
         if not fsdp.is_sharded(model):  # the engine is built over the sharded parameters, FSDP's own from now on
             model = fsdp.shard_within_machines(trainer.accelerator, model)
         group = fsdp.replicate_group(trainer.accelerator)
-        # the engine takes each micro-batch's reduce-scattered shard in FSDP's gradient hooks: Trainer's no_sync
-        # (FSDP's set_requires_gradient_sync(False)) would accumulate full unsharded gradients and fire no hook
-        trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
     optimizer_cls, optimizer_kwargs, groups = optimizer_groups(trainer, model, taken)
     check_elementwise(optimizer_cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
     ensure_process_group(trainer.accelerator.device)
@@ -238,6 +241,19 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
     scheduler = trainer.lr_scheduler
     if taken is not None and scheduler is not None and getattr(scheduler, "optimizer", None) is taken:
         scheduler.optimizer = trainer.acco  # the user's schedule now sets the engine's learning rates
-    # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us)
+    # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us); marked
+    # prepared, so that Trainer's accelerator.prepare(model, optimizer) keeps this wrapper as it is
     trainer.optimizer = trainer.accelerator.prepare_optimizer(trainer.acco, device_placement=False)
+    trainer.optimizer._is_accelerate_prepared = True  # type: ignore[union-attr]
+    trainer._acco_group_params = [list(g["params"]) for g in trainer.acco.param_groups]  # type: ignore[attr-defined]
     return trainer.optimizer
+
+
+def restore_param_groups(trainer: ACCOTrainerMixin) -> None:
+    """The engine's parameter groups as it was built with them. Accelerate's FSDP2 prepare swaps every optimizer
+    parameter for the model's by data pointer (``fsdp2_switch_optimizer_parameters``), and every empty local shard
+    (a dimension smaller than the machine's ranks) has data pointer 0: one of them would stand for all."""
+    built = getattr(trainer, "_acco_group_params", None)
+    if trainer.acco is not None and built is not None:
+        for group, params in zip(trainer.acco.param_groups, built):
+            group["params"] = params

@@ -24,7 +24,8 @@ What it intercepts, why, and where the work is (Trainer's loop itself is not cop
 * ``log``: ACCO's figures next to the loss (``metrics``).
 * With Accelerate's FSDP2 configuration over several machines (``hf_acco.integrations.fsdp``): ``create_optimizer``
   shards the model inside each machine before building the engine over the machines; ``_wrap_model`` leaves the
-  model to Accelerate's FSDP ``prepare``; ``_maybe_log_save_evaluate`` reshards after evaluation; every rank saves
+  model to Accelerate's FSDP ``prepare``; ``create_scheduler`` (right after it) restores the engine's parameter
+  groups; ``evaluate`` and ``predict`` reshard after their forward passes; every rank saves
   the committed parameters (the save is collective), and checkpoints hold Trainer's FSDP model files too.
 
 Evaluation sees the committed parameters through the optimizer's ``eval()``/``train()``, which Trainer calls around
@@ -153,6 +154,8 @@ class ACCOTrainerMixin(_TrainerBase):
         return self._pacer.resume_epoch, 0
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if self.is_fsdp_enabled:  # called right after Accelerate's FSDP prepare: see engine.restore_param_groups
+            engine.restore_param_groups(self)
         if self._pacer is not None and self.state.max_steps:  # dynamic mode: the horizon restore_position set
             num_training_steps = self.state.max_steps
         return super().create_scheduler(num_training_steps, optimizer)
@@ -255,8 +258,20 @@ class ACCOTrainerMixin(_TrainerBase):
         if self._pacer is not None and not self._pacer.sampler.endless:  # the epoch's fraction: the data used
             self.state.epoch = self._pacer.progress
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
-        if self.is_fsdp_enabled and self.acco is not None:  # after an evaluation's forward passes: see fsdp.reshard
-            fsdp.reshard(cast(torch.nn.Module, self.model))
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:  # wherever it is called from (the loop, eval_on_start, a callback): see fsdp.reshard
+            if self.is_fsdp_enabled:
+                fsdp.reshard(cast(torch.nn.Module, self.model))
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().predict(*args, **kwargs)
+        finally:
+            if self.is_fsdp_enabled:
+                fsdp.reshard(cast(torch.nn.Module, self.model))
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         if self.acco is not None:
