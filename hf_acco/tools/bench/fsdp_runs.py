@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hf_acco.comm.communicator import Communicator
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.core import ACCOOptimizer
+from hf_acco.tools.collectives import one_collective
 
 METHODS = ("hsdp", "hsdp_acco", "hsdp_sync")
 
@@ -90,11 +91,7 @@ def comm_alone(model: torch.nn.Module, per_node: int, repeats: int) -> dict[str,
         for _ in range(repeats + 1):
             dist.barrier()
             t0 = time.perf_counter()
-            if name == "all_reduce":
-                comm.all_reduce(flat)
-            else:
-                comm.reduce_scatter(layout, flat, shard)
-                comm.all_gather(layout, shard, flat)
+            one_collective(comm, name, layout, flat, shard)
             seconds.append(time.perf_counter() - t0)
         out[f"{name}_s"] = statistics.median(seconds[1:])
         comm.destroy()

@@ -32,6 +32,7 @@ from hf_acco.pacing.pacer import Pacer
 from hf_acco.tools.bench import fsdp_runs
 from hf_acco.tools.bench.link import Traffic
 from hf_acco.tools.bench.report import gather_of, method_parts
+from hf_acco.tools.collectives import one_collective
 
 MAX_GRAD_NORM = 1.0  # Trainer's default, applied by every method
 
@@ -235,11 +236,7 @@ def comm_alone(model, traffic: Traffic, repeats: int) -> dict[str, float | None]
         for _ in range(repeats + 1):
             dist.barrier(comm.group)
             before, cpu0, t0 = traffic.read(), time.process_time(), time.perf_counter()
-            if name == "all_reduce":
-                comm.all_reduce(flat)
-            else:
-                comm.reduce_scatter(layout, flat, shard)
-                comm.all_gather(layout, shard, flat)
+            one_collective(comm, name, layout, flat, shard)
             seconds.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - cpu0)
             after = traffic.read()

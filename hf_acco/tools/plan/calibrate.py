@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hf_acco.comm.communicator import Communicator
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.tools.cli_types import POSITIVE_FLOAT, POSITIVE_INT
+from hf_acco.tools.collectives import one_collective
 from hf_acco.tools.plan.model import fit
 
 
@@ -40,11 +41,6 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=POSITIVE_INT, default=5)
     p.add_argument("--out", default="constants.json")
     return p
-
-
-def _round(comm: Communicator, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor) -> None:
-    comm.reduce_scatter(layout, flat, shard)
-    comm.all_gather(layout, shard, flat)
 
 
 def _time(run: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -73,11 +69,7 @@ def measure(sizes: list[float], repeats: int, device: torch.device) -> list[dict
             layout = FlatLayout([torch.empty(numel, device=device)], ["calibration"], [0], comm.world_size)
             flat, shard = layout.new_flat(device), torch.zeros(layout.shard_numel, device=device)
             flat.normal_()
-
-            once = (
-                partial(comm.all_reduce, flat) if kind == "all_reduce" else partial(_round, comm, layout, flat, shard)
-            )
-            seconds = _time(once, device, repeats)
+            seconds = _time(partial(one_collective, comm, kind, layout, flat, shard), device, repeats)
             points.append({"kind": kind, "world_size": comm.world_size, "bytes": 4 * numel, "seconds": seconds})
             comm.destroy()
     return points
