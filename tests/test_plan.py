@@ -386,3 +386,17 @@ def test_calibration_on_the_users_ranks_writes_constants_the_planner_reads(tmp_p
                            "--micro_batch_s", "0.5", "--constants", str(out)], capture_output=True, text=True,
                           check=True).stdout  # fmt: skip
     assert "calibrated on this cluster" in text
+
+
+def test_with_the_activations_counted_gradient_checkpointing_is_named_when_it_alone_would_fit(tmp_path) -> None:
+    """A 7B Llama config (built on the meta device), micro-batches of 8 x 2048 tokens on 2 x 8 A100 80 GB: the
+    activations alone overflow the GPU; checkpointing is the first thing that would fit."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                num_attention_heads=32).save_pretrained(tmp_path)  # fmt: skip
+    argv = ["--config", str(tmp_path), "--world_size", "16", "--gpu", "a100-80gb", "--micro_batch_size", "8"]
+    out = plan.main([*argv, "--quiet"])
+    assert out["recommendation"] is None and out["what_would_fit"][0].startswith("gradient_checkpointing=True")
+    fits = plan.main([*argv, "--gradient_checkpointing", "--quiet"])["recommendation"]
+    assert fits is not None and fits["micro_batches"] == 8

@@ -278,10 +278,22 @@ def table(
     lines += ["| on the host | GB (GiB) |", "|---|---|"]
     lines += [f"| {k} | {_gb(n)} |" for k, n in report.host.items()]
     lines += [f"| **pinned per rank** (blocks rounded up to a power of 2 by torch) | **{_gb(report.host_bytes)}** |"]
-    lines += [f"| **pinned per node** ({gpus_per_node} GPUs) | **{_gb(report.host_bytes * gpus_per_node)}** |"]
+    lines += [
+        f"| **pinned per node** (--gpus_per_node {gpus_per_node}) | **{_gb(report.host_bytes * gpus_per_node)}** |"
+    ]
     lines += [f"| only while it happens: {k} | {_gb(n)} |" for k, n in report.host_transient.items()]
     lines += ["", "| baseline | persistent GB (GiB) |", "|---|---|"]
-    lines += [f"| {k} | {_gb(n)} |" for k, n in baselines(numel, world_size, param_dtype, fsdp_shard).items()]
+    base = baselines(numel, world_size, param_dtype, fsdp_shard)
+    lines += [f"| {k} | {_gb(n)} |" for k, n in base.items()]
+    extra = {k: n for k, n in report.persistent.items() if k.startswith("round buffer") and n}
+    if fsdp_shard == 1 and extra and report.persistent_bytes > base["ZeRO-1"]:
+        name, n = next(iter(extra.items()))
+        why = ("acco: the next micro-batches accumulate while a round runs; sync: the wire's dtype is not the "
+               "sums'; --grad_dtype bf16 with a bf16 wire works in the sums themselves")  # fmt: skip
+        lines += [
+            "",
+            f"Beyond ZeRO-1: the {name.split(' (')[0]} ({_gb(n)}), the gradients' buffer beside the sums ({why}).",
+        ]
     if fsdp_shard > 1:
         lines += ["", "Not counted: FSDP's all-gathered layers (a layer or two at a time) and the activations."]
     return "\n".join(lines)

@@ -46,13 +46,24 @@ def _memory(cluster: Cluster, activations: int = 0) -> Any:
     return lambda method, job: setting_bytes(method, job, cluster) + activations
 
 
-def _activations(args: argparse.Namespace, job: Job) -> int:
+def _activations(args: argparse.Namespace, job: Job, checkpointing: bool | None = None) -> int:
     """A micro-batch's activations (rough: model_shape.py) when the model's shape is known (--config), else 0."""
     if getattr(args, "config", None) is None:
         return 0
     from hf_acco.tools.model_shape import activation_bytes, shape_from_config
 
-    return activation_bytes(shape_from_config(args.config), job.micro_batch_tokens, args.gradient_checkpointing)
+    ckpt = args.gradient_checkpointing if checkpointing is None else checkpointing
+    return activation_bytes(shape_from_config(args.config), job.micro_batch_tokens, ckpt)
+
+
+def _what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, activations: int, checkpointed: int | None) -> list:
+    """``what_would_fit`` with the activations counted; gradient checkpointing first when it alone would do."""
+    fixes = what_would_fit(job, cluster, gpu_bytes - activations)
+    if checkpointed is not None:
+        need = setting_bytes("acco", job, cluster) + checkpointed
+        if need < gpu_bytes:
+            fixes.insert(0, f"gradient_checkpointing=True: {need / 1e9:.1f} GB per GPU")
+    return fixes
 
 
 # Dense bf16 tensor-core peak (FLOP/s) and memory (GiB) of common GPUs (NVIDIA's datasheets)
@@ -61,7 +72,7 @@ GPUS = {"a100-40gb": (312e12, 40), "a100-80gb": (312e12, 80), "h100-80gb": (989e
 
 def report(
     job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05, gpu_gib: float = 80.0, explain: bool = False,
-    activations: int = 0,
+    activations: int = 0, checkpointed: int | None = None,
 ) -> str:  # fmt: skip
     """The planner's printout: the table at the stated settings (each method's memory per GPU beside it), the
     recommendation among the settings that fit, at the user's global batch; the formulas with ``explain``."""
@@ -96,7 +107,7 @@ def report(
     if over:
         lines.append(f"Over a GPU of {gpu_gib:g} GiB ({gpu_bytes / 1e9:.1f} GB): " + "; ".join(over) + ".")
     if ch is None:
-        fixes = what_would_fit(job, cluster, gpu_bytes - activations)
+        fixes = _what_would_fit(job, cluster, gpu_bytes, activations, checkpointed)
         lines += ["", f"Nothing fits a GPU of {gpu_gib:g} GiB at these settings."]
         lines += ["What would (ACCO):", *(f"  {f}" for f in fixes)] if fixes else [
             "Nor with bf16 sums, int8 on the wire, twice the machines or FSDP inside each machine."]  # fmt: skip
@@ -361,11 +372,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory = _memory(cluster, activations)
     predictions = {f"{m}:{a}": {**predict(m, a, job, cluster, c), "memory_bytes": memory(m, job)} for m, a in METHODS}
     rec = recommend(job, cluster, c, ks=[job.micro_batches], memory=memory, gpu_bytes=args.gpu_gib * GIB)
-    fixes = what_would_fit(job, cluster, args.gpu_gib * GIB - activations) if rec["choice"] is None else []
+    checkpointed = None if args.gradient_checkpointing or not activations else _activations(args, job, True)
+    gpu_bytes = args.gpu_gib * GIB
+    fixes = _what_would_fit(job, cluster, gpu_bytes, activations, checkpointed) if rec["choice"] is None else []
     out = {"constants": asdict(c), "gpu_gib": args.gpu_gib, "predictions": predictions,
            "recommendation": rec["choice"], "what_would_fit": fixes}  # fmt: skip
     if not args.quiet:
         print(json.dumps(out, indent=1) if args.json else report(job, cluster, c, gpu_gib=args.gpu_gib,
                                                                   explain=args.explain,
-                                                                  activations=activations))  # fmt: skip
+                                                                  activations=activations,
+                                                                  checkpointed=checkpointed))  # fmt: skip
     return out
