@@ -26,3 +26,6 @@ def at_least(kind: Callable[[str], float], low: float, inclusive: bool = True) -
 POSITIVE_FLOAT = at_least(float, 0.0, inclusive=False)
 NONNEGATIVE_FLOAT = at_least(float, 0.0)
 POSITIVE_INT = at_least(int, 1)
+
+# Dense bf16 tensor-core peak (FLOP/s) and memory (GiB) of common GPUs (NVIDIA's datasheets): --gpu of both tools
+GPUS = {"a100-40gb": (312e12, 40), "a100-80gb": (312e12, 80), "h100-80gb": (989e12, 80), "h200": (989e12, 141)}

@@ -46,7 +46,7 @@ from hf_acco.comm.nodes import machines
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
 from hf_acco.engine.optim import estimate_window
-from hf_acco.tools.cli_types import POSITIVE_FLOAT, POSITIVE_INT
+from hf_acco.tools.cli_types import GPUS, POSITIVE_FLOAT, POSITIVE_INT
 from hf_acco.tools.model_shape import shape_and_activations
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -332,8 +332,9 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--gpu_gib", type=POSITIVE_FLOAT, default=None,
-        help="the GPU's memory in GiB (an 80 GB GPU: 80): says whether the engine's peak fits and what is left",
+        help="the GPU's memory in GiB (default: --gpu's, else 80): whether the peak fits and what is left",
     )  # fmt: skip
+    p.add_argument("--gpu", choices=sorted(GPUS), default=None, help="the GPU (its memory: --gpu_gib's default)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     return p
 
@@ -366,15 +367,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.fsdp_shard > 1:
         settings["fsdp_shard"] = args.fsdp_shard
     lower = lower_settings(args, numel, param, wire, grad, report.persistent_bytes)
-    left = None if args.gpu_gib is None else int(args.gpu_gib * GIB) - report.peak_bytes - (activations or 0)
+    if args.gpu_gib is None:
+        args.gpu_gib = float(GPUS[args.gpu][1]) if args.gpu else 80.0
+    left = int(args.gpu_gib * GIB) - report.peak_bytes - (activations or 0)
     if not args.json:
         print(table(report, numel, args.world_size, param, settings, args.gpus_per_node, args.fsdp_shard))
         if activations is not None:
             print(f"\nActivations, roughly (hf_acco/tools/model_shape.py): {_gb(activations)} for "
                   f"{args.micro_batch_size} x {args.seq_len} tokens"
                   + (" with gradient checkpointing" if args.gradient_checkpointing else ""))  # fmt: skip
-        if left is not None:
-            print(f"\n{verdict(left, args.gpu_gib, activations is not None)}")
+        print(f"\n{verdict(left, args.gpu_gib, activations is not None)}")
         if lower:
             print("\nWhat would lower the persistent bytes per rank:")
             print("\n".join(f"- {k}: {_gb(n)}" for k, n in lower.items()))
@@ -393,8 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     out["baselines_persistent_bytes"] = baselines(numel, args.world_size, param, args.fsdp_shard)
     out["lower_persistent_bytes"] = lower
     out["activation_bytes"] = activations
-    if left is not None:
-        out.update(gpu_gib=args.gpu_gib, fits=left > 0, left_for_activations_bytes=left)
+    out.update(gpu_gib=args.gpu_gib, fits=left > 0, left_for_activations_bytes=left)
     print(json.dumps(out))
 
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, replace
 from typing import Any
 
-from hf_acco.tools.cli_types import NONNEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
+from hf_acco.tools.cli_types import GPUS, NONNEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
 from hf_acco.tools.memory import GIB
 from hf_acco.tools.plan import model as _model
 from hf_acco.tools.plan.memory_fit import setting_bytes, what_would_fit
@@ -64,10 +64,6 @@ def _what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, activations: i
         if need < gpu_bytes:
             fixes.insert(0, f"gradient_checkpointing=True: {need / 1e9:.1f} GB per GPU")
     return fixes
-
-
-# Dense bf16 tensor-core peak (FLOP/s) and memory (GiB) of common GPUs (NVIDIA's datasheets)
-GPUS = {"a100-40gb": (312e12, 40), "a100-80gb": (312e12, 80), "h100-80gb": (989e12, 80), "h200": (989e12, 141)}
 
 
 def report(
