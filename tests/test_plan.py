@@ -303,6 +303,13 @@ def test_the_multinode_benchmark_predicts_each_run_from_its_nodes(tmp_path):
         ("memory", ["--params", "7e9", "--gpus_per_node", "0"], "argument --gpus_per_node: must be >= 1"),
         ("memory", ["--params", "7e9", "--world_size", "8", "--fsdp_shard", "3"], "3 does not divide 8"),
         ("memory", ["--params", "7e9", "--world_size", "12"], "--world_size (12) is whole machines of"),
+        ("plan", ["--params", "1e9", "--world_size", "8", "--gpu", "h200", "--mfu", "0"], "--mfu: must be > 0"),
+        ("plan", ["--config", "/nonexistent", "--world_size", "8", "--micro_batch_s", "0.3"], "no config.json at"),
+        ("plan", ["--params", "1e9", "--world_size", "8", "--micro_batch_s", "0.3", "--seq_len", "0"],
+         "--seq_len: must be >= 1"),
+        ("memory", ["--params", "7e9", "--micro_batch_size", "2"], "--micro_batch_size (activations) needs --config"),
+        ("memory", ["--config", "/nonexistent"], "no config.json at"),
+        ("memory", ["--params", "7e9", "--gpu_gib", "0"], "--gpu_gib: must be > 0"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_flag_and_exit_code_2(tool: str, argv: list[str], said: str, capsys) -> None:
