@@ -1,5 +1,5 @@
-"""A model's shape from its transformers config (offline: a local ``config.json`` or a folder holding one), and a
-rough count of the activations one micro-batch keeps for its backward.
+"""A model's shape from its transformers config (offline: a ``config.json``, its folder, or a Hub name already in the
+local cache), and a rough count of the activations one micro-batch keeps for its backward.
 
 The parameter count is the model's own: it is built on the meta device (no memory, no weights) from the config,
 as accelerate's ``estimate-memory`` does, and its parameters counted once each (tied embeddings once).
@@ -45,14 +45,19 @@ def _field(config: object, *names: str) -> int | None:
 
 
 def shape_from_config(path: str | Path) -> Shape:
-    """The shape of the causal LM a config describes (``path``: a ``config.json`` or its folder; read offline)."""
+    """The shape of the causal LM a config describes (``path``: a ``config.json``, its folder, or a Hub name in the
+    local cache; read offline)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(path)
-    folder = path.parent if path.is_file() else path
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--config: no config.json at {path}. Pass a model folder or its config.json.")
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    given = Path(path)
+    folder = given.parent if given.is_file() else given
+    try:  # a folder, its config.json, or a Hub name already in the local cache (never downloaded)
+        config = AutoConfig.from_pretrained(folder if folder.exists() else str(path), local_files_only=True)
+    except OSError:
+        raise ValueError(
+            f"--config: no config.json at {path}, and no such model in the local Hugging Face cache. Pass a model "
+            "folder, its config.json, or the name of a model you have downloaded."
+        ) from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())  # (parameters() yields a tied weight once)
