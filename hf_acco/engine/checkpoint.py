@@ -150,7 +150,7 @@ def missing_shards(
 
 
 def _part_folders(directory: Path) -> dict[int, dict[int, Path]]:
-    """The ``fsdp_shard{k}_of_{K}`` folders in ``directory`` (see ``part_directory``): {K: {k: path}}."""
+    """The ``fsdp_shard{k}_of_{K}`` folders in ``directory`` (see ``shards_directory``): {K: {k: path}}."""
     found: dict[int, dict[int, Path]] = {}
     for f in directory.glob("fsdp_shard*_of_*") if directory.is_dir() else []:
         m = _PART_RE.match(f.name)

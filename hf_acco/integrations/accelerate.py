@@ -111,9 +111,7 @@ def prepare_acco(
         model = fsdp.shard_within_machines(accelerator, model)
         accelerator._models.append(model)  # as prepare() registers it: save_state/load_state write and read it
         acco_kwargs.setdefault("group", fsdp.replicate_group(accelerator))
-        # the engine takes each micro-batch's reduce-scattered shard in FSDP's gradient hooks, which accumulate()'s
-        # no_sync (full unsharded gradients) would skip
-        accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+        fsdp.sync_every_micro_batch(accelerator)
     else:
         model = accelerator.prepare_model(model, evaluation_mode=True)  # autocast and placement; ACCO averages
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

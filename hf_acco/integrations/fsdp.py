@@ -112,6 +112,14 @@ def check_args(args: Any) -> None:
         )
 
 
+def sync_every_micro_batch(accelerator: Any) -> None:
+    """Turn Accelerate's ``no_sync`` off (``sync_each_batch``, read by Trainer's loop and ``accumulate``): the engine
+    takes each micro-batch's reduce-scattered shard in FSDP's gradient hooks, which ``no_sync`` (FSDP's
+    ``set_requires_gradient_sync(False)``: full unsharded gradients) would skip. Set again at every ``train()``:
+    another Accelerator made in this process resets the shared gradient state."""
+    accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+
+
 def replicate_group(accelerator: Any) -> dist.ProcessGroup:
     """The engine's group: the ranks holding the same FSDP shard, one per machine."""
     return accelerator.torch_device_mesh["dp_replicate"].get_group()

@@ -189,11 +189,9 @@ def optimizer_groups(trainer: ACCOTrainerMixin, model: torch.nn.Module, taken: A
 
 def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> torch.optim.Optimizer:
     """Trainer's ``create_optimizer``: the ACCOOptimizer with the trainer's settings, prepared by Accelerate."""
-    if fsdp.hsdp_layout(trainer.accelerator) is not None:
-        # the engine takes each micro-batch's reduce-scattered shard in FSDP's gradient hooks: Trainer's no_sync
-        # (FSDP's set_requires_gradient_sync(False)) would accumulate full unsharded gradients and fire no hook.
-        # Set at every train(): another Accelerator made in this process resets the shared gradient state.
-        trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+    sharded = fsdp.hsdp_layout(trainer.accelerator) is not None  # FSDP inside machines (docs/hsdp.md)
+    if sharded:
+        fsdp.sync_every_micro_batch(trainer.accelerator)
     reused = reuse_engine(trainer)
     if reused is not None:
         return reused
@@ -207,7 +205,7 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
         raise ValueError("ACCOTrainer needs a model to build its optimizer for: pass model= (or model_init=).")
     args = trainer.args
     group = None
-    if fsdp.hsdp_layout(trainer.accelerator) is not None:
+    if sharded:
         if not fsdp.is_sharded(model):  # the engine is built over the sharded parameters, FSDP's own from now on
             model = fsdp.shard_within_machines(trainer.accelerator, model)
         group = fsdp.replicate_group(trainer.accelerator)

@@ -259,19 +259,12 @@ class ACCOTrainerMixin(_TrainerBase):
             self.state.epoch = self._pacer.progress
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
+    # evaluate and predict, wherever they are called from (the loop, eval_on_start, a callback): see fsdp.reshard
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().evaluate(*args, **kwargs)
-        finally:  # wherever it is called from (the loop, eval_on_start, a callback): see fsdp.reshard
-            if self.is_fsdp_enabled:
-                fsdp.reshard(cast(torch.nn.Module, self.model))
+        return then_reshard(self, super().evaluate, *args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().predict(*args, **kwargs)
-        finally:
-            if self.is_fsdp_enabled:
-                fsdp.reshard(cast(torch.nn.Module, self.model))
+        return then_reshard(self, super().predict, *args, **kwargs)
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         if self.acco is not None:
@@ -317,6 +310,15 @@ class ACCOTrainerMixin(_TrainerBase):
         entry = self.state.log_history[-1]
         for key in metrics.RUN_DEPENDENT_METRICS:
             entry.pop(key, None)
+
+
+def then_reshard(trainer: ACCOTrainerMixin, run: Any, *args: Any, **kwargs: Any) -> Any:
+    """``run(*args, **kwargs)``, then, with FSDP, every group of the model resharded (see ``fsdp.reshard``)."""
+    try:
+        return run(*args, **kwargs)
+    finally:
+        if trainer.is_fsdp_enabled:
+            fsdp.reshard(cast(torch.nn.Module, trainer.model))
 
 
 class ACCOTrainer(ACCOTrainerMixin, Trainer):
