@@ -40,17 +40,26 @@ def test_sync_schedule_equals_trainer_hsdp(tmp_path: Path, hsdp_run: list[dict])
     _same_model_on_every_rank(ours)
 
 
-@pytest.mark.parametrize("settings", [{"gradient_checkpointing": True}, {"bf16": True}], ids=["checkpointing", "bf16"])
+@pytest.mark.parametrize(
+    "settings",
+    [{"gradient_checkpointing": True}, {"bf16": True, "fsdp_reduce_fp32": True}, {"bf16": True}],
+    ids=["checkpointing", "bf16", "bf16-reduced-in-bf16"],
+)
 def test_sync_schedule_equals_trainer_hsdp_with(tmp_path: Path, settings: dict) -> None:
-    theirs = hsdp(tmp_path / "hsdp", acco=False, extra=settings)
-    ours = hsdp(tmp_path / "ours", acco=True, extra={"acco_schedule": "sync", **settings})
-    # bf16: FSDP's policy computes in bf16 and reduce-scatters in bf16 inside a machine in both runs; across
-    # machines HSDP all-reduces that in bf16 and ACCO in fp32 (the fp32 masters' dtype, acco_comm_dtype="auto"):
-    # one bf16 rounding of the machines' sum apart
-    tol = 2e-3 if settings.get("bf16") else 1e-5
+    reduce_fp32 = {"fsdp_reduce_fp32": True} if settings.pop("fsdp_reduce_fp32", False) else {}
+    theirs = hsdp(tmp_path / "hsdp", acco=False, extra=settings, **reduce_fp32)
+    ours = hsdp(tmp_path / "ours", acco=True, extra={"acco_schedule": "sync", **settings}, **reduce_fp32)
+    # bf16 with FSDP's policy reducing in fp32 (torchtitan's default): both runs sum every machine's fp32 sums in
+    # fp32, so they agree to fp32 rounding. With Accelerate's default policy (reduce_dtype bf16) HSDP also
+    # all-reduces across machines in bf16, where ACCO sums in fp32: one bf16 rounding of the machines' sum apart.
+    tol = 2e-3 if settings.get("bf16") and not reduce_fp32 else 1e-5
     assert losses(ours[0]) == pytest.approx(losses(theirs[0]), rel=tol)
     assert rel(flat(ours[0]["params"]), flat(theirs[0]["params"])) < tol
     assert all(p.dtype == torch.float32 for p in ours[0]["params"].values())  # FSDP's fp32 masters
+    if settings.get("bf16"):  # the policy each run trained with
+        reduce = "torch.float32" if reduce_fp32 else "torch.bfloat16"
+        assert ours[0]["fsdp_policy"] == theirs[0]["fsdp_policy"]
+        assert f"reduce_dtype={reduce}" in ours[0]["fsdp_policy"]
     _same_model_on_every_rank(ours)
 
 

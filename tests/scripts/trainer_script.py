@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--machines", type=int, default=2, help="with --hsdp: dp_replicate_size")
     parser.add_argument(
+        "--fsdp_reduce_fp32", action="store_true", help="with --hsdp and bf16: FSDP reduces gradients in fp32"
+    )
+    parser.add_argument(
         "--fsdp_on_cpu", action="store_true", help="test only: let Accelerate run an FSDP launch config on CPU ranks"
     )
     cli = parser.parse_args(argv)
@@ -198,6 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
             parallelism_config=ParallelismConfig(dp_replicate_size=cli.machines, dp_shard_size=world // cli.machines),
         )
     args = args_cls(**{**settings, **json.loads(cli.extra)})
+    if cli.fsdp_reduce_fp32:  # as a user sets FSDP2's mixed precision policy (Accelerate's plugin argument)
+        policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.bfloat16}
+        args.fsdp_plugin_args["mixed_precision_policy"] = policy
     log_keys = LogKeys()
     callbacks = [log_keys] + ([StopAt(cli.stop_at_micro_batch)] if cli.stop_at_micro_batch else [])
     rank = int(os.environ.get("RANK", "0"))
@@ -239,6 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
         "acco_totals": dict(trainer.acco.totals) if getattr(trainer, "acco", None) else None,
         "engine_ranks": trainer.acco.comm.world_size if getattr(trainer, "acco", None) else None,
         "fsdp_sharded": type(trainer.model).__name__.startswith("FSDP"),
+        "fsdp_policy": str(
+            getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "mixed_precision_policy", None)
+        ),
         "rows": slow.rows,  # input_ids of every training micro-batch this rank computed
     }
     if trainer.is_world_process_zero():
