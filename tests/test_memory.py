@@ -40,12 +40,19 @@ ESTIMATE = "round: Adam estimate windows"
 
 
 def _held(
-    rank: int, world_size: int, schedule: str, comm_dtype: str, model_dtype: torch.dtype, grad_dtype: str, fused: bool
+    rank: int,
+    world_size: int,
+    schedule: str,
+    comm_dtype: str,
+    model_dtype: torch.dtype,
+    grad_dtype: str,
+    fused: bool,
+    gather_dtype: str = "auto",
 ) -> tuple[dict, dict]:
     model = tiny_llama().to(model_dtype)
     opt = ACCOOptimizer(
         model.parameters(), schedule=schedule, micro_batches=2, comm_dtype=comm_dtype, grad_dtype=grad_dtype,
-        bucket_numel=3000, lr=1e-3, **({"fused": True} if fused else {"foreach": True}),
+        gather_dtype=gather_dtype, bucket_numel=3000, lr=1e-3, **({"fused": True} if fused else {"foreach": True}),
     )  # fmt: skip
     for i in range(2):
         mean_loss(model, batch(rank, i))[0].backward()
@@ -69,9 +76,8 @@ def _held(
         buf, shard = opt.buffers.wire, opt.shard
         shard.use_grad(opt.buffers.shard_grad_of(opt.buffers.grads_of(buf)))
         narrow = buf.dtype != torch.float32 or opt.buffers.grad_room == "own"
-        target = (
-            shard.grad if narrow and opt.buffers.grad_room == "own" else own_pieces(opt.layout, buf, opt.comm.rank)
-        )
+        own = narrow and opt.buffers.grad_room == "own"  # packed: over the shard's own gradient too
+        target = shard.grad if own or opt.buffers.packed else own_pieces(opt.layout, buf, opt.comm.rank)
         with Allocations() as made:
             shard.estimate(opt._hparams(), target)
         window_bytes = 4 * opt.layout.shard_numel  # one window: the whole shard of a tiny model
@@ -87,12 +93,16 @@ def _held(
      (2, "sync", "fp32", torch.float32, "fp32", True), (2, "dpu", "bf16", torch.float32, "fp32", False),
      (2, "acco", "fp32", torch.bfloat16, "fp32", False), (4, "acco", "bf16", torch.bfloat16, "fp32", True),
      (4, "acco", "bf16", torch.bfloat16, "bf16", False), (2, "acco", "int8", torch.bfloat16, "fp32", True),
-     (4, "acco", "int8", torch.bfloat16, "fp32", True), (2, "sync", "int8", torch.float32, "fp32", False)],
+     (4, "acco", "int8", torch.bfloat16, "fp32", True), (2, "sync", "int8", torch.float32, "fp32", False),
+     (2, "acco", "int8:int8", torch.bfloat16, "bf16", True), (4, "acco", "int8:int4", torch.float32, "fp32", False)],
 )  # fmt: skip
 def test_the_report_is_what_the_engine_holds(
     world_size: int, schedule: str, comm_dtype: str, model_dtype: torch.dtype, grad_dtype: str, fused: bool
 ) -> None:
+    """("int8:int8": int8 gradients and int8 changes, where the round's buffer is packed int8 rows.)"""
+    comm_dtype, gather_dtype = (comm_dtype + ":auto").split(":")[:2]
     kwargs = {"schedule": schedule, "comm_dtype": comm_dtype, "model_dtype": model_dtype, "grad_dtype": grad_dtype}
+    kwargs["gather_dtype"] = gather_dtype
     for held, report in run_ranks(_held, world_size=world_size, fused=fused, **kwargs):
         assert held.keys() == report.keys()
         for name in held:
@@ -126,18 +136,25 @@ def test_the_cli_prints_one_json_object_for_7b_on_8_ranks() -> None:
     # 4 buckets of 259 M elements in flight, each sent and received packed (263 MB), and 2 fp32 chunks of 32 M
     assert packing / 1e9 == pytest.approx(4 * 2 * 0.263 + 2 * 0.13, abs=0.01)
     assert int8["round_pool_bytes"] == max(default["round_pool_bytes"], packing)
-    # int8 parameter changes: per bucket in flight this rank's packed chunk and every rank's (33 MB each), one fp32
-    # chunk's change and the (de)quantising temporaries; after the reduce-scatter, so the pool is the larger one's
+    # int8 parameter changes too: the round's buffer holds int8 rows (deltas.PackedRound: 7B x (1 + 4/256) bytes)
+    # instead of bf16 (14 GB), and the shard gradient a tensor of its own (3.5 GB); the sums are packed at the
+    # hand-over, so the round only receives (one packed bucket per bucket in flight), and the changes it receives
+    # land in its buffer: per bucket in flight, this rank's packed chunk (33 MB), one fp32 chunk's change and the
+    # (de)quantising temporaries
     both = report("--param_dtype", "bf16", "--comm_dtype", "int8", "--gather_dtype", "int8")
-    assert both["gather_dtype"] == "int8" and both["persistent_bytes"] == default["persistent_bytes"]
+    packed = 7e9 * (1 + 4 / 256) / 1e9
+    assert both["persistent"]["round buffer (full)"] / 1e9 == pytest.approx(packed, abs=0.01)
+    assert both["persistent_bytes"] / 1e9 == pytest.approx(66.5 - 14 + packed + 3.5, abs=0.01)
     (changes,) = (v for k, v in both["round_pool"].items() if "all-gather" in k)
-    assert changes / 1e9 == pytest.approx(4 * 9 * 0.0329 + 2 * 0.13 + 0.13, abs=0.01)
-    assert both["round_pool_bytes"] == max(packing, changes) == packing
-    # int4 changes: half the packed values (16.6 MB a chunk), the same temporaries
+    assert changes / 1e9 == pytest.approx(4 * 0.0329 + 2 * 0.13 + 0.13, abs=0.01)
+    (received,) = (v for k, v in both["round_pool"].items() if "reduce-scatter" in k)
+    assert received / 1e9 == pytest.approx(4 * 0.263 + 2 * 0.13, abs=0.01)
+    assert both["round_pool_bytes"] == max(received, changes) == received
+    # int4 changes: half the packed values (16.6 MB a chunk), the same temporaries, the same int8 round buffer
     int4 = report("--param_dtype", "bf16", "--comm_dtype", "int8", "--gather_dtype", "int4")
     (changes4,) = (v for k, v in int4["round_pool"].items() if "int4 all-gather" in k)
-    assert changes4 / 1e9 == pytest.approx(4 * 9 * 0.0166 + 2 * 0.13 + 0.13, abs=0.01)
-    assert int4["persistent_bytes"] == default["persistent_bytes"] and int4["round_pool_bytes"] == packing
+    assert changes4 / 1e9 == pytest.approx(4 * 0.0166 + 2 * 0.13 + 0.13, abs=0.01)
+    assert int4["persistent_bytes"] == both["persistent_bytes"] and int4["round_pool_bytes"] == received
     # 2 machines of 8: the two levels regroup one bucket (bf16) for the machine's reduce-scatter and send one packed
     # row per machine, not per rank: less than the flat all-to-all's buffers (one rank per machine)
     wide = ["--param_dtype", "bf16", "--comm_dtype", "int8", "--world_size", "16"]
@@ -175,20 +192,23 @@ def test_the_error_feedback_residual_is_what_the_engine_holds() -> None:
 
 
 def test_fsdp_inside_machines_for_70b_34b_13b_on_machines_of_8() -> None:
-    """FSDP2 over each machine's 8 GPUs, ACCO across machines, the leanest settings (bf16 sums, int8 on the wire):
-    per GPU 70B on 8 machines, 34B on 4, 13B on 2, against HSDP (FSDP2 with fp32 master parameters, replicated
-    across machines), and what would hold less."""
+    """FSDP2 over each machine's 8 GPUs, ACCO across machines, the leanest settings (bf16 sums, int8 gradients and
+    int8 changes on the wire): per GPU 70B on 8 machines, 34B on 4, 13B on 2, against HSDP (FSDP2 with fp32 master
+    parameters, replicated across machines), and what would hold less."""
 
-    def report(params: str, machines: int) -> dict:
+    def report(params: str, machines: int, *flags: str) -> dict:
         cmd = [sys.executable, "-m", "hf_acco.memory", "--params", params, "--world_size", str(8 * machines),
-               "--fsdp_shard", "8", "--grad_dtype", "bf16", "--comm_dtype", "int8", "--json"]  # fmt: skip
+               "--fsdp_shard", "8", "--grad_dtype", "bf16", "--comm_dtype", "int8", "--json", *flags]  # fmt: skip
         return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout)
 
     hsdp = "HSDP (FSDP2 over 8 ranks, fp32 master parameters)"
-    big, mid, small = report("70e9", 8), report("34e9", 4), report("13e9", 2)
-    # 70B / 8 = 8.75 B per FSDP shard: 17.5 GB each of the shard's parameters, sums and round buffer (bf16), its
-    # eighth's master (4.4) and moments (8.75); HSDP holds 16 bytes a parameter of the shard: 140 GB
-    assert big["persistent_bytes"] / 1e9 == pytest.approx(65.6, abs=0.05)
+    lean = ("--gather_dtype", "int8")
+    big, mid, small = report("70e9", 8, *lean), report("34e9", 4, *lean), report("13e9", 2, *lean)
+    # 70B / 8 = 8.75 B per FSDP shard: 17.5 GB each of the shard's parameters and sums (bf16), the round's buffer as
+    # int8 rows (8.9), its eighth's master (4.4), gradient (4.4) and moments (8.75); HSDP holds 16 bytes a parameter
+    # of the shard: 140 GB
+    assert big["persistent"]["round buffer (full)"] / 1e9 == pytest.approx(8.75 * (1 + 4 / 256), abs=0.01)
+    assert big["persistent_bytes"] / 1e9 == pytest.approx(61.4, abs=0.05) and big["persistent_bytes"] <= 64e9
     assert big["baselines_persistent_bytes"][hsdp] / 1e9 == pytest.approx(140.0, abs=0.05)
     assert mid["persistent_bytes"] / 1e9 <= 48 < mid["baselines_persistent_bytes"][hsdp] / 1e9
     assert (
@@ -199,6 +219,14 @@ def test_fsdp_inside_machines_for_70b_34b_13b_on_machines_of_8() -> None:
         48.1, abs=0.05
     )
     assert all(v < big["persistent_bytes"] for v in lower.values())
+    # with the parameters exact in the all-gather the round's buffer is bf16 (17.5 GB): above 64, and the report
+    # names the int8 changes as what would bring it down
+    exact = report("70e9", 8)
+    assert exact["persistent_bytes"] / 1e9 == pytest.approx(65.6, abs=0.05)
+    assert (
+        exact["lower_persistent_bytes"]["--gather_dtype int8 (int8 changes in the all-gather)"]
+        == big["persistent_bytes"]
+    )
 
 
 def test_a_gpu_size_gets_a_verdict_and_what_would_hold_less(capsys) -> None:

@@ -355,16 +355,19 @@ class Communicator:
         """The all-to-all spelling with each chunk quantised blockwise to int8 before it leaves (quant.py, about a
         quarter of fp32's bytes): the owner dequantises the chunks it receives (one per rank, or per machine in
         two levels: nodes.py) and sums them in fp32, in rank order. Bucket b is read before its row of ``rows`` is
-        written, as in the fp32 spelling."""
+        written, as in the fp32 spelling. An int8 ``flat`` ((num_buckets, world_size, row)) was packed already."""
         pending: list[tuple[int, torch.Tensor, dist.Work, torch.Tensor]] = []
         for b in range(layout.num_buckets):
             if len(pending) >= self.max_inflight:
                 self._sum_unpacked(layout, rows, *pending.pop(0))
-            if self.two_level is None:
-                sums, group = layout.bucket(flat, b).view(layout.world_size, layout.chunk), self.group
+            if flat.dtype == torch.int8:  # packed at the hand-over (deltas.PackedRound): every chunk's row as it is
+                send, group = flat[b], self.group
             else:
-                sums, group = self._machine_sum(layout, flat, b), self.two_level.rail
-            send = quant.pack(sums) if feedback is None else feedback.pack(b, sums)
+                if self.two_level is None:
+                    sums, group = layout.bucket(flat, b).view(layout.world_size, layout.chunk), self.group
+                else:
+                    sums, group = self._machine_sum(layout, flat, b), self.two_level.rail
+                send = quant.pack(sums) if feedback is None else feedback.pack(b, sums)
             recv = torch.empty_like(send)
             work = dist.all_to_all_single(recv, send, group=group, async_op=True)
             pending.append((b, recv, work, send))  # ``send`` outlives the collective that reads it

@@ -91,6 +91,13 @@ class ModelPieces:
             sources = [self.params[i].detach().view(-1)[s : s + n] for i, s, n, _ in runs]
             torch._foreach_add_(targets, sources, alpha=alpha)
 
+    def copy_from(self, out: torch.Tensor, b: int, r: int) -> None:
+        """The model's elements of piece (b, r) <- ``out`` ((chunk,)), cast to each parameter's dtype."""
+        runs = self.runs(b, r)
+        if runs:
+            targets = [self.params[i].detach().view(-1)[s : s + n] for i, s, n, _ in runs]
+            torch._foreach_copy_(targets, [out[o : o + n] for _, _, n, o in runs])
+
 
 class DeltaGather:
     """The all-gather of a round's output with quantised changes in ``bits`` (8 or 4; the module's docstring).
@@ -124,3 +131,68 @@ class DeltaGather:
             out = quant.unpack(recv[r : r + 1], self.layout.chunk, self.bits)[0]  # a new float32 row
             self.model.add_to(out, b, r)
             self.layout.piece(flat, b, r).copy_(out)
+
+
+class PackedRound:
+    """A round buffer of int8 bytes instead of the model's dtype, for int8 gradients with quantised changes (every
+    rank's packed rows of each bucket, ``(num_buckets, world_size, packed_numel(chunk))``): about half of a bf16
+    buffer, a quarter of an fp32 one.
+
+    * The hand-over (main thread) quantises the sums into it (``pack_sums``), as the round would have before its
+      all-to-all: the same bytes leave.
+    * The round reduce-scatters those rows (the communicator sends an int8 buffer as it is), updates its shard, and
+      all-gathers the packed changes into the same buffer (``gather``): the gradients' rows are dead by then.
+    * The boundary (main thread, after waiting for the round) adds the changes to the model (``apply``), with the
+      arithmetic ``DeltaGather`` uses: the same bits in the model as through a buffer of the model's dtype.
+
+    The base every rank adds to is the model, unchanged from the launch to the load (``DeltaGather``'s ordering).
+    """
+
+    def __init__(
+        self, layout: FlatLayout, comm: Communicator, params: Sequence[torch.Tensor], bits: int, dtype: torch.dtype
+    ) -> None:
+        self.layout, self.comm, self.bits, self.dtype = layout, comm, bits, dtype  # dtype: the model's, to round to
+        self.model = ModelPieces(layout, params)
+        self.row = quant.packed_numel(layout.chunk)  # bytes of one chunk's int8 gradient (no fewer than a change's)
+        self.change_row = quant.packed_numel(layout.chunk, bits)
+
+    def new_buffer(self, device: torch.device) -> torch.Tensor:
+        shape = (self.layout.num_buckets, self.layout.world_size, self.row)
+        return torch.zeros(shape, dtype=torch.int8, device=device)
+
+    def pack_sums(self, buf: torch.Tensor, sums: torch.Tensor, wire: torch.dtype) -> None:
+        """``buf`` <- every chunk of ``sums`` (full, flat), rounded to the wire's dtype first as a copy into a round
+        buffer of that dtype would, quantised."""
+        layout = self.layout
+        for b in range(layout.num_buckets):
+            rows = layout.bucket(sums, b).view(layout.world_size, layout.chunk)
+            quant.pack(rows if rows.dtype == wire else rows.to(wire), out=buf[b])
+
+    def _changes(self, buf: torch.Tensor, b: int) -> torch.Tensor:
+        """Bucket b's rows of packed changes ((world_size, change_row), contiguous, inside bucket b's bytes)."""
+        return buf[b].view(-1)[: self.layout.world_size * self.change_row].view(self.layout.world_size, -1)
+
+    def gather(self, buf: torch.Tensor, new: torch.Tensor) -> None:
+        """Round thread: every rank's packed change into ``buf``; ``new`` ((num_buckets, chunk) float32): this rank's
+        new parameters, rounded to the model's dtype before the change is taken."""
+        comm = self.comm
+        pending: list[tuple[dist.Work, torch.Tensor]] = []
+        for b in range(self.layout.num_buckets):
+            if len(pending) >= comm.max_inflight:
+                pending.pop(0)[0].wait()
+            change = new[b].to(self.dtype, copy=True).float()  # a copy: ``new`` may be the master
+            self.model.add_to(change, b, comm.rank, alpha=-1.0)  # minus what every rank holds
+            send = quant.pack(change.view(1, -1), bits=self.bits)[0]
+            pending.append((comm.all_gather_packed(self._changes(buf, b), send), send))  # send outlives its work
+        for work, _send in pending:
+            work.wait()
+
+    @torch.no_grad()
+    def apply(self, buf: torch.Tensor) -> None:
+        """Main thread: the model's piece (b, r) <- itself + rank r's dequantised change, every piece."""
+        for b in range(self.layout.num_buckets):
+            changes = self._changes(buf, b)
+            for r in range(changes.shape[0]):
+                out = quant.unpack(changes[r : r + 1], self.layout.chunk, self.bits)[0]
+                self.model.add_to(out, b, r)
+                self.model.copy_from(out.to(self.dtype), b, r)

@@ -30,6 +30,8 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
+from hf_acco.comm import quant
+from hf_acco.comm.deltas import PackedRound
 from hf_acco.comm.sharding import FlatLayout
 
 WIRE_DTYPES = ("auto", "fp32", "bf16", "int8")  # the settings' spellings of comm_dtype
@@ -114,6 +116,37 @@ def shard_grad_room(buffer_dtype: torch.dtype, comm_dtype: torch.dtype, world_si
     return None
 
 
+def packed_round_saves(
+    layout: FlatLayout, param_dtype: torch.dtype, comm_dtype: torch.dtype, grad_dtype: torch.dtype
+) -> bool:
+    """Whether a round buffer of packed int8 rows (``deltas.PackedRound``: int8 gradients and quantised changes),
+    with the shard gradient beside it, takes fewer bytes than a buffer of the wire's dtype with the shard gradient
+    where ``shard_grad_room`` puts it (not on 4 ranks with a 2-byte buffer, which holds it for free)."""
+    wire = comm_allocation(param_dtype, comm_dtype, True, grad_dtype)
+    assert wire is not None
+    shard_grad = layout.shard_numel * SHARD_GRAD_DTYPE.itemsize
+    plain = layout.padded_numel * wire.itemsize
+    if shard_grad_room(wire, comm_dtype, layout.world_size, layout.chunk) is None:
+        plain += shard_grad
+    return packed_bytes(layout) + shard_grad < plain
+
+
+def packed_bytes(layout: FlatLayout) -> int:
+    """Bytes of a packed round buffer: every chunk's int8 row (values and scales), every bucket."""
+    return layout.num_buckets * layout.world_size * quant.packed_numel(layout.chunk)
+
+
+def packed_round(
+    comm: Any, layout: FlatLayout, params: Sequence[torch.Tensor], wire: torch.dtype, sums: torch.dtype, bits: int
+) -> PackedRound | None:
+    """A round buffer of packed int8 rows where it saves memory: int8 gradients in one level (a flat all-to-all) and
+    changes in ``bits`` (0: none, or a round that cannot pack at the hand-over), on more than one rank."""
+    if not (bits and comm.quantized_gradients and comm.two_level is None and not comm.local_copies):
+        return None
+    dtype = model_dtype(params)
+    return PackedRound(layout, comm, params, bits, dtype) if packed_round_saves(layout, dtype, wire, sums) else None
+
+
 class BufferPair:
     """``accum`` and ``wire`` over ``params`` in ``layout``.
 
@@ -134,6 +167,7 @@ class BufferPair:
         grad_dtype: torch.dtype = ACCUM_DTYPE,
         rank: int = 0,
         owners: Sequence[torch.Tensor] | None = None,
+        packed: PackedRound | None = None,
     ) -> None:
         self.params = list(params)
         # where each parameter's gradient arrives (the hooks' tensors): the parameters themselves, or, for an FSDP2
@@ -145,12 +179,17 @@ class BufferPair:
         self.param_dtype = model_dtype(self.params)
         check_grad_dtype(grad_dtype, comm_dtype, self.param_dtype)
         self.accum = layout.new_flat(device, dtype=grad_dtype)
+        self.packed = packed  # the round's buffer holds int8 rows (deltas.PackedRound), packed at the hand-over
         # the two buffers can swap roles when they are alike (the wire in the sums' dtype); else the round gets a copy
-        self.swappable = swappable(self.param_dtype, comm_dtype, grad_dtype)
+        self.swappable = swappable(self.param_dtype, comm_dtype, grad_dtype) and packed is None
         wire = comm_allocation(self.param_dtype, comm_dtype, separate, grad_dtype)
-        self.wire = self.accum if wire is None else layout.new_flat(device, dtype=wire)
+        if packed is not None:
+            self.wire = packed.new_buffer(device)
+        else:
+            self.wire = self.accum if wire is None else layout.new_flat(device, dtype=wire)
         self.rank = rank
-        self.grad_room = shard_grad_room(self.wire.dtype, comm_dtype, layout.world_size, layout.chunk)
+        room = shard_grad_room(self.wire.dtype, comm_dtype, layout.world_size, layout.chunk)
+        self.grad_room = None if packed is not None else room
         self.grad_scale = 1.0  # multiplies the gradients of the next backward passes as they are accumulated
         self.hook_calls = 0  # gradients accumulated since the counter was last reset
         # which parameters received a gradient since the step began (by index): a round tells its owners, so that
@@ -165,9 +204,8 @@ class BufferPair:
         self.evaluating = False  # the engine is in eval mode: no gradient may come in (``accum`` may hold parameters)
         self.eval_backup: torch.Tensor | None = None  # in eval mode, what the model held if it was not θ
         # per-parameter views of each buffer, made once: the two buffers swap roles every step
-        self._views_of = {
-            id(buf): {id(p): v for p, v in zip(self.owners, layout.views(buf))} for buf in (self.accum, self.wire)
-        }
+        flats = (self.accum,) if packed is not None else (self.accum, self.wire)
+        self._views_of = {id(buf): {id(p): v for p, v in zip(self.owners, layout.views(buf))} for buf in flats}
         self.grad_views = self._views_of[id(self.accum)]
         self._hooks: list = []
 
@@ -185,8 +223,9 @@ class BufferPair:
         return None
 
     def _typed(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``buf``'s memory as a flat buffer of ``dtype`` (its first bytes when ``dtype`` is narrower)."""
-        if buf.dtype == dtype:
+        """``buf``'s memory as a flat buffer of ``dtype`` (its first bytes when ``dtype`` is narrower); a packed
+        round buffer as it is (int8 rows both ways)."""
+        if buf.dtype == dtype or self.packed is not None:
             return buf
         return buf.view(torch.uint8)[: self.layout.padded_numel * dtype.itemsize].view(dtype)
 
@@ -284,7 +323,9 @@ class BufferPair:
         them. Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
         self._zero_unwritten()
         if self.separate:
-            if swap and self.swappable:  # the round takes the sums; the main thread restarts from the old buffer
+            if self.packed is not None:  # quantised into the round's buffer (a swap restarts ``accum`` from zero)
+                self.packed.pack_sums(self.wire, self.accum, self.comm_dtype)
+            elif swap and self.swappable:  # the round takes the sums; the main thread restarts from the old buffer
                 self.wire, self.accum = self.accum, self.wire
                 self.grad_views = self._views_of[id(self.accum)]
             else:  # a copy, cast to the wire's dtype (each rank's fp32 sums rounded once)
@@ -319,8 +360,11 @@ class BufferPair:
         torch._foreach_copy_(self.params, self.layout.views(flat))
 
     def load_round_output(self) -> None:
-        """Copy the parameters the last round all-gathered into the model."""
-        self.load_into_model(self.params_of(self.wire))
+        """Copy the parameters the last round all-gathered into the model (packed: add its changes to the model)."""
+        if self.packed is not None:
+            self.packed.apply(self.wire)
+        else:
+            self.load_into_model(self.params_of(self.wire))
 
     def initial_shard(self, comm: Any, rank: int) -> torch.Tensor:
         """This rank's fp32 shard of the model's parameters (staged in ``accum``, which is zero again after). With

@@ -43,6 +43,7 @@ from hf_acco.comm.deltas import CHANGE_DTYPES, GATHER_DTYPES, DeltaGather, quant
 from hf_acco.comm.groups import warn_if_one_hardware_queue
 from hf_acco.comm.quant import ErrorFeedback
 from hf_acco.comm.sharding import FlatLayout, trainable_parameters
+from hf_acco.engine import buffers as _buffers
 from hf_acco.engine.buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
 from hf_acco.engine.fsdp import check_fsdp, local_data
 from hf_acco.engine.halves import halves_for, round_ends_soon
@@ -110,19 +111,17 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         nonfinite (`str`, defaults to `"skip"`): when the averaged gradient has an inf or NaN (seen by every rank
             in the all-reduced norm, so all take the same decision): ``"skip"`` the update (master, state and
             estimate stay as they are; counted in ``totals["skipped_steps"]``) or ``"error"``: stop with an error.
-        comm_dtype (`str`, defaults to `"auto"`): the gradients' dtype on the wire: ``"auto"`` (the model's: bf16 for
-            a bf16 model, as DDP), ``"fp32"`` or ``"bf16"`` (each
-            rank's fp32 sums rounded once to bf16, summed in fp32 where the backend allows: gloo's all-to-all; NCCL
-            sums in bf16), or ``"int8"``: each rank's sums (in the dtype ``"auto"`` sends) quantised blockwise (a
-            float32 scale per 256 elements, ``quant.py``) and sent by all-to-all on every backend, the owner summing
-            them in fp32: about a quarter of fp32's bytes. Parameters are all-gathered in the model's dtype either way.
+        comm_dtype (`str`, defaults to `"auto"`): the gradients' dtype on the wire: ``"auto"`` (the model's, as DDP),
+            ``"fp32"``, ``"bf16"`` (each rank's sums rounded once, summed in fp32 on gloo, in bf16 by NCCL), or
+            ``"int8"``: the sums (in the dtype ``"auto"`` sends) quantised blockwise (``quant.py``), sent by
+            all-to-all, summed by the owner in fp32: about a quarter of fp32's bytes.
         grad_dtype (`str`, defaults to `"fp32"`): the dtype gradients accumulate in. ``"bf16"`` (for bf16 models
             with ``comm_dtype="bf16"``, as the authors' release did for the largest models) halves the accumulation
             buffer; each backward's gradient is rounded as it is added.
         gather_dtype (`str`, defaults to `"auto"`): the parameters in the all-gather: ``"auto"`` (the model's dtype,
             exact), ``"int8"`` or ``"int4"``: each owner sends the change of its parameters since what every rank
-            holds, quantised blockwise; every rank applies the same bytes (the ranks stay identical, the rounding is
-            carried into the next round, the master stays exact: ``deltas.py``).
+            holds, quantised blockwise (the ranks stay identical, the master exact: ``deltas.py``). With int8
+            gradients too, the round's buffer is int8 where that is smaller (``deltas.PackedRound``).
         error_feedback (`bool`, defaults to `False`): with ``comm_dtype="int8"``, carry each commit round's rounding
             of this rank's gradients into the next commit round's (``quant.ErrorFeedback``; a float32 residual of
             the buffer's size, or of its share per machine in two levels, saved in the checkpoint).
@@ -180,11 +179,13 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         )  # fmt: skip
         self.device = self._params[0].device
         warn_if_one_hardware_queue(self.device)
-        self.buffers = self._build_buffers(wire, sums)
+        if quantized:  # collective (two levels on several machines): before the buffers, which depend on it
+            self.comm.use_int8_gradients()
+        self.buffers = self._build_buffers(wire, sums, 0 if error_feedback else change_bits)
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
         self.halves = halves_for(self.accumulation, *counts)
         self.stats = EngineStats()
-        self._round = self._build_round(max_grad_norm, nonfinite, quantized, change_bits, error_feedback)
+        self._round = self._build_round(max_grad_norm, nonfinite, change_bits, error_feedback)
         self.rounds = RoundInFlight(self._round, self.buffers, self.stats, self.halves)
         self._boundary_copy = boundary_copy and self.schedule is Schedule.ACCO
         self._boundary = BoundaryState(  # the last step boundary, for state_dict
@@ -198,29 +199,34 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self.buffers.attach()  # last: if anything above raised, the model's gradients are as they were
 
     def _build_round(
-        self, max_grad_norm: float | None, nonfinite: str, int8_grads: bool, change_bits: int, error_feedback: bool
+        self, max_grad_norm: float | None, nonfinite: str, change_bits: int, error_feedback: bool
     ) -> RoundBody:
-        """The body of every round, with int8 gradients, int8 / int4 parameter changes and error feedback where
-        asked (int8 gradients: collective, two levels on several machines, nodes.py). Nothing goes on a wire with
-        one rank (local copies): its output and gradients are exact there."""
-        if int8_grads:
-            self.comm.use_int8_gradients()
+        """The body of every round, with int8 / int4 parameter changes and error feedback where asked (int8
+        gradients: the communicator's). Nothing goes on a wire with one rank (local copies): its output and
+        gradients are exact there."""
         wired = not self.comm.local_copies
-        gather = DeltaGather(self.layout, self.comm, self._params, change_bits) if change_bits and wired else None
-        self.gather_dtype = CHANGE_DTYPES[gather.bits] if gather else GATHER_DTYPES[0]  # what it sends
+        packed = self.buffers.packed
+        changes = change_bits and wired and packed is None  # (a packed round gathers its changes itself)
+        gather = DeltaGather(self.layout, self.comm, self._params, change_bits) if changes else None
+        self.gather_dtype = CHANGE_DTYPES[change_bits] if gather or packed else GATHER_DTYPES[0]  # what it sends
         feedback = None
         if error_feedback and self.comm.quantized_gradients and wired:
             feedback = ErrorFeedback(self.layout.num_buckets, self.comm.int8_rows(), self.layout.chunk, self.device)
         return RoundBody(
-            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, self.buffers.shard_grad_of, gather, feedback
-        )
+            self.layout, self.comm, self.shard, max_grad_norm, nonfinite, self.buffers.shard_grad_of, gather, feedback,
+            packed,
+        )  # fmt: skip
 
-    def _build_buffers(self, wire: torch.dtype, sums: torch.dtype) -> BufferPair:
-        """The gradient buffer pair, on the parameters' device, checked alike on every rank (collective)."""
+    def _build_buffers(self, wire: torch.dtype, sums: torch.dtype, change_bits: int = 0) -> BufferPair:
+        """The gradient buffer pair, on the parameters' device, checked alike on every rank (collective); the round's
+        packed where it saves memory (a round beside the micro-batches: not sync; no error feedback, which packs)."""
         separate = self.schedule is not Schedule.SYNC
+        packed = (
+            _buffers.packed_round(self.comm, self.layout, self._params, wire, sums, change_bits) if separate else None
+        )
         buffers = BufferPair(
             self._params, self.layout, self.device, separate, comm_dtype=wire, grad_dtype=sums, rank=self.comm.rank,
-            owners=self._owners,
+            owners=self._owners, packed=packed,
         )  # fmt: skip
         buffers.check_devices()
         self.comm.check_same_everywhere(
@@ -295,11 +301,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             self._boundary_estimate_to_correction()
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        """End the optimizer step: the B→A boundary. May be called early (the short last window of an epoch).
-
-        With ``auto_step`` the engine ends its steps itself and this does nothing; with paced accumulation the
-        caller ends them with ``end_step()``.
-        """
+        """End the optimizer step: the B→A boundary (early too: an epoch's short last window). Nothing with
+        ``auto_step`` (the engine ends its steps) or paced accumulation (the caller's ``end_step()`` does)."""
         if closure is not None:
             raise ValueError("ACCOOptimizer.step does not take a closure.")
         if not self.auto_step and self.accumulation is not Accumulation.PACED:
@@ -320,11 +323,9 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
     # ---- state --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shard of everything an exact resume needs, as of the last optimizer-step boundary.
-
-        Called in the middle of a step (a pre-emption checkpoint), it still describes that boundary: the
-        micro-batches of the unfinished step are not in it, and a resumed run computes them again.
-        """
+        """This rank's shard of everything an exact resume needs, as of the last optimizer-step boundary: in the
+        middle of a step (a pre-emption checkpoint) the unfinished step's micro-batches are not in it (a resumed
+        run computes them again)."""
         self.synchronize()  # the master shard is final once the commit round in flight has finished
         moved, held = self._model_moved, self.buffers.eval_backup  # in eval, the training parameters wait there
         state = self._boundary.state_dict(self.schedule.value, self.step_count, self._hparams(), moved, held)
@@ -350,7 +351,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             error = e
         self.raise_if_any_rank_failed(error)
         self.train()
-        pending = self._boundary.load(state_dict, shard, self.param_groups, self.buffers, self._round.gather_output)
+        pending = self._boundary.load(state_dict, shard, self.param_groups, self.buffers, self._round.committed_output)
         self.step_count = state_dict["step_count"]
         self.stats.load_state_dict(state_dict.get("stats"))
         self.rounds.drop()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hf_acco.comm.communicator import Communicator
+from hf_acco.comm.deltas import PackedRound
 from hf_acco.comm.quant import ErrorFeedback
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.optim import ShardOptimizer, overlaps
@@ -118,11 +119,15 @@ class RoundBody:
         shard_grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda grads: None,
         gather: Callable[[torch.Tensor], None] | None = None,
         feedback: ErrorFeedback | None = None,
+        packed: PackedRound | None = None,
     ) -> None:
         self.layout, self.comm, self.shard = layout, comm, shard
         # 7.'s all-gather of the output (this rank's pieces in place): exact, or int8 / int4 changes (DeltaGather)
         self.gather_output = gather if gather is not None else lambda flat: comm.all_gather(layout, None, flat)
         self.feedback = feedback  # int8 gradients' error feedback, for commit rounds (quant.ErrorFeedback)
+        # a round buffer of packed int8 rows: gradients in, this rank's new parameters out as changes (PackedRound)
+        self.packed = packed
+        self._new: torch.Tensor | None = None  # packed: this rank's new parameters, (num_buckets, chunk) fp32
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.rank = comm.rank
@@ -196,7 +201,7 @@ class RoundBody:
         everyone_in.set()
         if total_weight <= 0:  # the same on every rank: no weight anywhere, so nothing to reduce or update
             norm, skipped = torch.zeros(1, device=buf.device), self._no_weight(kind, joined)
-            put_own_pieces(layout, buf, shard.master, self.rank)  # the committed parameters
+            self._put(buf, shard.master)  # the committed parameters
         else:
             # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums, in fp32, into the round's
             # buffer where it has room (its own pieces, or beside them); from here on the rest of the buffer is free
@@ -208,14 +213,41 @@ class RoundBody:
                 comm.reduce_scatter(layout, grads, grad)
             # an output narrower than the gradient it overwrites (a bf16 model, fp32 on the wire, the gradient in
             # this rank's own pieces): the update is computed in place of the gradient first, then rounded
-            narrow = buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()
+            # (packed: the look-ahead too, then taken as a change)
+            narrow = self.packed is not None or (
+                buf.dtype != grad.dtype and grad.data_ptr() == own_pieces(layout, grads, self.rank).data_ptr()
+            )
             norm, skipped = self._update(kind, buf, grad, total_weight, hparams, narrow, skip)  # 3.-6.
         # 7. all-gather
-        self.gather_output(buf)
+        self._gather(buf)
         if buf.is_cuda:  # the round's duration is that of its kernels, not of their launch (work.wait() does not
             torch.cuda.current_stream(buf.device).synchronize()  # block the host on NCCL); blocks only this thread
         seconds = time.perf_counter() - t0
         return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined), skipped)
+
+    def _put(self, buf: torch.Tensor, new: torch.Tensor, narrow: bool = False) -> None:
+        """This rank's new parameters ``new`` (its shard: master or look-ahead, fp32) into its pieces of ``buf``;
+        ``narrow``: ``new`` is this rank's pieces of ``buf`` seen wider. Packed: kept for ``_gather``."""
+        if self.packed is not None:
+            self._new = new.view(self.layout.num_buckets, self.layout.chunk)
+        elif narrow:
+            narrow_own_pieces(self.layout, new, buf, self.rank)
+        else:
+            put_own_pieces(self.layout, buf, new, self.rank)
+
+    def _gather(self, buf: torch.Tensor) -> None:
+        if self.packed is not None:
+            assert self._new is not None
+            new, self._new = self._new, None
+            self.packed.gather(buf, new)
+        else:
+            self.gather_output(buf)
+
+    def committed_output(self, buf: torch.Tensor) -> None:
+        """``buf`` <- the committed parameters, every rank's master gathered, as a commit round hands them back (a
+        resume of a pending commit round, from the model just loaded as its base)."""
+        self._put(buf, self.shard.master)
+        self._gather(buf)
 
     @staticmethod
     def _no_weight(kind: RoundKind, joined: float) -> bool:
@@ -261,17 +293,17 @@ class RoundBody:
                 "bf16 instead of fp16; or let ACCO skip such steps (nonfinite='skip')."
             )
         if skipped:  # 5. no update: the round hands back the committed parameters
-            put_own_pieces(layout, buf, shard.master, self.rank)
+            self._put(buf, shard.master)
             return norm, skipped
         if self.max_grad_norm is not None:
             grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
         # 5. optimizer update, 6. written into this rank's pieces of ``buf``
         if kind is RoundKind.COMMIT:
             shard.commit(hparams, skip)
-            put_own_pieces(layout, buf, shard.master, self.rank)
+            self._put(buf, shard.master)
         elif narrow:  # the look-ahead in fp32 in place of the gradient, then rounded into the output's pieces
             shard.estimate(hparams, grad, skip)
-            narrow_own_pieces(layout, grad, buf, self.rank)
+            self._put(buf, grad, narrow=True)
         else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
             shard.estimate(hparams, own_pieces(layout, buf, self.rank), skip)
         return norm, skipped

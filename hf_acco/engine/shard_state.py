@@ -156,12 +156,12 @@ class BoundaryState:
         shard: Callable,
         param_groups: list[dict],
         buffers: BufferPair,
-        gather: Callable[[torch.Tensor], None],
+        committed_output: Callable[[torch.Tensor], None],
     ) -> bool:
         """Restore master, optimizer state, hyper-parameters and the model (collective: all-gathers).
 
         Returns whether a commit round was pending: then ``buffers.wire`` holds its output, as if just waited for
-        (gathered by ``gather``, as the round's own all-gather did: from the model just loaded, its base).
+        (``committed_output``, as the round's own all-gather made it: from the model just loaded, its base).
         """
         self.shard.master.copy_(shard(state_dict["master"]))
         self.shard.load_state_tensors(
@@ -190,9 +190,7 @@ class BoundaryState:
                 self.feedback.residual.zero_()
         self.pending = state_dict["pending_commit"]
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
-            output = buffers.params_of(buffers.wire)
-            put_own_pieces(self.layout, output, self.shard.master, self.comm.rank)
-            gather(output)
+            committed_output(buffers.params_of(buffers.wire))
         return self.pending
 
 

@@ -40,14 +40,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_acco.comm import quant
 from hf_acco.comm.deltas import GATHER_DTYPES, check_gather_dtype
 from hf_acco.comm.nodes import machines
 from hf_acco.comm.sharding import FlatLayout
-from hf_acco.engine.buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
+from hf_acco.engine.buffers import (
+    ACCUM_DTYPE,
+    SHARD_GRAD_DTYPE,
+    check_grad_dtype,
+    comm_allocation,
+    packed_bytes,
+    packed_round_saves,
+    shard_grad_room,
+)
 from hf_acco.engine.optim import estimate_window
 from hf_acco.tools.cli_types import GPUS, POSITIVE_FLOAT, POSITIVE_INT
 from hf_acco.tools.model_shape import shape_and_activations
+from hf_acco.tools.wire_pool import residual_bytes, wire_pool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_STATE_PER_ELEMENT = 2  # exp_avg, exp_avg_sq
@@ -123,11 +131,19 @@ def engine_memory(
     check_grad_dtype(grad_dtype, comm_dtype, param_dtype)
     comm = comm_allocation(param_dtype, comm_dtype, schedule != "sync", grad_dtype)
     room = shard_grad_room(grad_dtype if comm is None else comm, comm_dtype, world_size, layout.chunk)
+    change_bits = check_gather_dtype(gather_dtype)
+    nodes, per_node = machines(layout.world_size, ranks_per_node)
+    packed = bool(  # the round's buffer as int8 rows: the engine's own rule (buffers.packed_round)
+        quantized and change_bits and not error_feedback and comm is not None and world_size > 1
+        and not (nodes > 1 and per_node > 1) and packed_round_saves(layout, param_dtype, comm_dtype, grad_dtype)
+    )  # fmt: skip
+    if packed:
+        room = None
     persistent = {
         "parameters (the model's)" if fsdp_shard == 1 else "parameters (this rank's FSDP shard)": numel
         * param_dtype.itemsize,
         "gradient accumulation buffer (full)": full * grad_dtype.itemsize,
-        "round buffer (full)": 0 if comm is None else full * comm.itemsize,
+        "round buffer (full)": 0 if comm is None else packed_bytes(layout) if packed else full * comm.itemsize,
         "master shard (fp32)": shard * fp32,
         "shard gradient (fp32; 0: in the round's buffer)": 0 if room else shard * SHARD_GRAD_DTYPE.itemsize,
         "optimizer state shard (fp32)": state_per_element * shard * fp32,
@@ -139,7 +155,7 @@ def engine_memory(
     window = min(shard, estimate_window(shard))
     # the estimate writes into the round buffer's own pieces: in fp32 straight there, unless they hold the gradient
     # (room "own") or are narrower (a bf16 buffer)
-    narrow = (comm if comm is not None else grad_dtype) != torch.float32 or room == "own"
+    narrow = (comm if comm is not None else grad_dtype) != torch.float32 or room == "own" or packed
     round_pool = {
         "round: Adam estimate windows": estimate_temporaries(optimizer, narrow) * window * fp32,
         "round: commit step (the inner optimizer's own temporaries)": shard * fp32 if optimizer == "foreach" else 0,
@@ -157,8 +173,9 @@ def engine_memory(
         "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
         + shard * param_dtype.itemsize,
     }
-    change_bits = check_gather_dtype(gather_dtype)
-    round_pool.update(wire_pool(layout, comm_dtype, quantized, change_bits, backend, max_inflight, ranks_per_node))
+    round_pool.update(
+        wire_pool(layout, comm_dtype, quantized, change_bits, backend, max_inflight, ranks_per_node, bool(packed))
+    )
     return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
 
 
@@ -170,52 +187,6 @@ def _wire(comm_dtype: torch.dtype | str, param_dtype: torch.dtype) -> tuple[torc
     if comm_dtype not in ("auto", "int8"):
         raise ValueError(f"comm_dtype is a torch dtype, 'auto' (the model's) or 'int8', got {comm_dtype!r}")
     return param_dtype, comm_dtype == "int8"
-
-
-def residual_bytes(layout: FlatLayout, ranks_per_node: int) -> int:
-    """quant.ErrorFeedback's residual: one fp32 row per row this rank quantises (a flat all-to-all: one per rank;
-    two levels, nodes.py: one per machine), every bucket."""
-    nodes, per_node = machines(layout.world_size, ranks_per_node)
-    rows = nodes if nodes > 1 and per_node > 1 else layout.world_size
-    return layout.num_buckets * rows * layout.chunk * torch.float32.itemsize
-
-
-def wire_pool(
-    layout: FlatLayout,
-    comm_dtype: torch.dtype,
-    quantized: bool,
-    change_bits: int,
-    backend: str,
-    max_inflight: int,
-    per_node: int = 1,
-) -> dict[str, int]:
-    """The round pool's buffers of the collectives themselves (the largest counts: they run one after the other);
-    ``per_node``: ranks per machine (int8 gradients go in two levels on several machines of several ranks);
-    ``change_bits``: the parameters' changes in the all-gather (8 or 4; 0: the parameters themselves)."""
-    fp32, pool = torch.float32.itemsize, {}
-    inflight = min(max_inflight, layout.num_buckets)
-    row = quant.packed_numel(layout.chunk)  # one chunk's int8 values and their scales
-    # one chunk's fp32 temporaries at once: quantising (the scaled product, an fp32 or padded copy of the input)
-    # or dequantising (one row)
-    temporaries = 2 * quant.num_blocks(layout.chunk) * quant.BLOCK * fp32
-    nodes, per_node = machines(layout.world_size, per_node)
-    if quantized and nodes > 1 and per_node > 1:  # nodes.py: a machine's reduce-scatter, then int8 between machines
-        regrouped = (layout.bucket_size + nodes * layout.chunk) * comm_dtype.itemsize  # the bucket, its node sum
-        pool["round: int8 reduce-scatter in two levels (a bucket regrouped, packed rows in flight)"] = (
-            regrouped + 2 * inflight * row * nodes + temporaries
-        )
-    elif quantized:  # every backend: the all-to-all of packed chunks (comm.py, quant.py)
-        pool["round: int8 reduce-scatter (packed buckets in flight, fp32 temporaries)"] = (
-            2 * inflight * row * layout.world_size + temporaries
-        )
-    elif backend == "gloo":
-        pool["round: all-to-all receive buffers"] = inflight * layout.bucket_size * comm_dtype.itemsize
-    if change_bits:  # deltas.py: this rank's packed change and every rank's, per bucket in flight; the change
-        changes = quant.packed_numel(layout.chunk, change_bits)
-        pool[f"round: int{change_bits} all-gather (packed changes in flight, fp32 temporaries)"] = (
-            inflight * (1 + layout.world_size) * changes + temporaries + layout.chunk * fp32
-        )
-    return pool
 
 
 def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (not imported: no cycle)
@@ -421,6 +392,8 @@ def lower_settings(
     changes: dict[str, dict] = {
         "--schedule sync (one buffer: no round runs beside the next micro-batches)": {"schedule": "sync"},
         "--grad_dtype bf16 (bf16 sums, model in bf16)": {"grad_dtype": torch.bfloat16},
+        # with int8 gradients too: the round's buffer as int8 rows (deltas.PackedRound)
+        "--gather_dtype int8 (int8 changes in the all-gather)": {"gather_dtype": "int8"},
     }
     if param == torch.float32:  # fp32 weights for a bf16 run: the model, its sums and its wire twice the size
         bf16 = {"param_dtype": torch.bfloat16} | ({"comm_dtype": torch.bfloat16} if args.comm_dtype == "auto" else {})

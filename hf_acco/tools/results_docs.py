@@ -154,7 +154,8 @@ def beside_table(folder: str, order: tuple[str, ...]) -> str:
 
 
 def hsdp_memory_table() -> str:
-    """``python -m hf_acco.memory --fsdp_shard 8 --grad_dtype bf16 --comm_dtype int8``: per GPU, FSDP2 over each
+    """``python -m hf_acco.memory --fsdp_shard 8 --grad_dtype bf16 --comm_dtype int8 --gather_dtype int8``: per
+    GPU, FSDP2 over each
     machine's 8 GPUs and ACCO across machines, for 70B on 8 machines, 34B on 4 and 13B on 2 (bf16 models), beside
     HSDP's persistent bytes and the ``sync`` schedule's."""
     import torch
@@ -168,7 +169,8 @@ def hsdp_memory_table() -> str:
     ]
     for params, machines in ((70e9, 8), (34e9, 4), (13e9, 2)):
         numel, world = int(params), 8 * machines
-        settings = dict(param_dtype=torch.bfloat16, comm_dtype="int8", grad_dtype=torch.bfloat16, fsdp_shard=8)
+        settings = dict(param_dtype=torch.bfloat16, comm_dtype="int8", grad_dtype=torch.bfloat16, fsdp_shard=8,
+                        gather_dtype="int8")  # fmt: skip
         acco = engine_memory(numel, world, **settings)  # type: ignore[arg-type]
         sync = engine_memory(numel, world, schedule="sync", **settings)  # type: ignore[arg-type]
         hsdp = next(v for k, v in baselines(numel, world, torch.bfloat16, 8).items() if k.startswith("HSDP"))
@@ -182,8 +184,8 @@ def hsdp_memory_table() -> str:
 def hsdp_fits_table() -> str:
     """Which of DDP, ZeRO-1, HSDP, ACCO and HSDP-ACCO fit an 80 GiB GPU, per GPU, for bf16 models of 7B and 13B on 2
     machines of 8 GPUs, 34B on 4 and 70B on 8 (``hf_acco.memory``'s figures; ACCO's with their leanest settings:
-    bf16 sums, int8 on the wire; its peak with the rounds' pool). Activations are not counted: what is left is
-    theirs."""
+    bf16 sums, int8 gradients and changes on the wire; its peak with the rounds' pool). Activations are not
+    counted: what is left is theirs."""
     import torch
 
     from hf_acco.tools.memory import GIB, baselines, engine_memory
@@ -194,7 +196,7 @@ def hsdp_fits_table() -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     mark = lambda n: f"{n / 1e9:.1f} {'fits' if n < gpu else '**no**'}"  # noqa: E731
-    lean = dict(param_dtype=torch.bfloat16, comm_dtype="int8", grad_dtype=torch.bfloat16)
+    lean = dict(param_dtype=torch.bfloat16, comm_dtype="int8", grad_dtype=torch.bfloat16, gather_dtype="int8")
     for params, machines in ((7e9, 2), (13e9, 2), (34e9, 4), (70e9, 8)):
         numel, world = int(params), 8 * machines
         base = baselines(numel, world, torch.bfloat16, 8)

@@ -1,0 +1,111 @@
+"""The packed round buffer (``deltas.PackedRound``): with int8 gradients and quantised changes the round's buffer
+holds int8 rows (about half of a bf16 buffer) packed at the hand-over instead of in the round. It is the same
+algorithm with the same roundings: the parameters are bit-identical to a round buffer of the wire's dtype, every
+step, through evaluations and a resume of a pending commit round (gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_acco.engine.buffers
+from hf_acco import ACCOOptimizer
+from hf_acco.comm.sharding import FlatLayout
+from hf_acco.engine.buffers import packed_round_saves
+from hf_acco.tools.multiprocess import run_ranks
+
+from .models import batch, decay_groups, mean_loss, tiny_llama
+
+HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+MICRO, STEPS, SAVE_AT = 4, 6, 3
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _engine(model: torch.nn.Module, settings: dict) -> ACCOOptimizer:
+    return ACCOOptimizer(decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.6, bucket_numel=5000,
+                         comm_dtype="int8", **settings, **HP)  # fmt: skip
+
+
+def _model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return tiny_llama().to(dtype)
+
+
+def _steps(opt: ACCOOptimizer, model: torch.nn.Module, rank: int, first: int, last: int, out: dict) -> None:
+    for t in range(first, last):
+        for i in range(MICRO):
+            mean_loss(model, batch(rank, t * MICRO + i))[0].float().backward()
+            opt.after_backward()
+        opt.step()
+        out["held"].append(_flat(model))  # the model as the next micro-batches see it (the estimate, for acco)
+        if t % 2:  # an evaluation reads the committed parameters, and training goes on from what it held
+            with opt.committed_parameters():
+                out["committed"].append(_flat(model))
+        if t + 1 == SAVE_AT:
+            out["state"] = opt.state_dict()
+
+
+def _train(rank: int, world_size: int, packed: bool, dtype: torch.dtype, settings: dict) -> dict:
+    if not packed:  # the round buffer in the wire's dtype, as without this mode
+        hf_acco.engine.buffers.packed_round_saves = lambda *args: False
+    model = _model(dtype)
+    opt = _engine(model, settings)
+    out: dict = {"held": [], "committed": [], "packed": opt.buffers.packed is not None}
+    out["wire"] = (opt.buffers.wire.dtype, opt.buffers.wire.nbytes, opt.shard.grad is not None)
+    _steps(opt, model, rank, 0, STEPS, out)
+    with opt.committed_parameters():
+        out["final"] = _flat(model)
+    opt.close()
+    # a resume of the checkpoint taken after step SAVE_AT (a commit round pending), into a model of other values
+    other = _model(dtype, seed=1)
+    again = _engine(other, settings)
+    again.load_state_dict(out.pop("state"))
+    resumed: dict = {"held": [], "committed": []}
+    _steps(again, other, rank, SAVE_AT, STEPS, resumed)
+    with again.committed_parameters():
+        out["resumed_final"] = _flat(other)
+    again.close()
+    out["resumed_held"] = resumed["held"]
+    return out
+
+
+CASES = {  # (ranks, model dtype, settings): where the packed buffer is the smaller one
+    "bf16-sums-int8-changes-2-ranks": (2, torch.bfloat16, {"grad_dtype": "bf16", "gather_dtype": "int8"}),
+    "bf16-int4-changes-3-ranks": (3, torch.bfloat16, {"gather_dtype": "int4"}),
+    "fp32-int8-changes-4-ranks": (4, torch.float32, {"gather_dtype": "int8"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_a_packed_round_buffer_gives_the_same_bits_as_one_in_the_wires_dtype(case: str) -> None:
+    world_size, dtype, settings = CASES[case]
+    packed = run_ranks(_train, world_size=world_size, packed=True, dtype=dtype, settings=settings)
+    plain = run_ranks(_train, world_size=world_size, packed=False, dtype=dtype, settings=settings)
+    assert packed[0]["packed"] and not plain[0]["packed"]
+    (wire_dtype, wire_bytes, own_grad), (plain_dtype, plain_bytes, _) = packed[0]["wire"], plain[0]["wire"]
+    assert wire_dtype == torch.int8 and plain_dtype == dtype and own_grad  # (the shard gradient: its own tensor)
+    assert wire_bytes < plain_bytes * (0.55 if dtype == torch.bfloat16 else 0.3)
+    for r in range(world_size):
+        for key in ("held", "committed", "resumed_held"):
+            assert len(packed[r][key]) == len(plain[r][key]) > 0
+            for a, b in zip(packed[r][key], plain[r][key]):
+                assert torch.equal(a, b), (key, r)
+        assert torch.equal(packed[r]["final"], plain[r]["final"])
+        assert torch.equal(packed[r]["resumed_final"], packed[r]["final"])  # the resume is exact
+        assert torch.equal(packed[r]["final"], packed[0]["final"])  # every rank the same bits
+    assert not torch.equal(packed[0]["held"][0], packed[0]["held"][-1])  # it trained
+
+
+@pytest.mark.parametrize(
+    ("ranks", "dtype", "packed"),
+    [(2, torch.bfloat16, True), (3, torch.bfloat16, True), (4, torch.bfloat16, False), (8, torch.bfloat16, True),
+     (4, torch.float32, True)],
+)  # fmt: skip
+def test_the_packed_buffer_is_used_where_it_holds_fewer_bytes(ranks: int, dtype: torch.dtype, packed: bool) -> None:
+    """bf16 on 4 ranks: a bf16 round buffer keeps the fp32 shard gradient in two other ranks' pieces (free), and
+    int8 rows (1 + 4/256 bytes an element) plus a shard gradient of its own (4/4) take a little more than its 2."""
+    layout = FlatLayout([torch.empty(1 << 20, device="meta")], ["all"], [0], ranks, 1 << 16)
+    assert packed_round_saves(layout, dtype, dtype, dtype) is packed
