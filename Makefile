@@ -1,4 +1,4 @@
-.PHONY: style quality test test-slow test-gpu gpu-check test-latest bench bench-ab docs
+.PHONY: style quality test test-slow test-gpu gpu-check test-latest bench bench-ab docs wheel-check
 
 PY ?= python3
 
@@ -13,6 +13,11 @@ quality:
 
 test:
 	$(PY) -m pytest -q
+
+# The package as a user gets it: sdist and wheel built, the wheel installed in a new virtual environment, the first
+# commands run from outside the source tree, then the sdist (CI runs it after the tests)
+wheel-check:
+	bash .ci/wheel_check
 
 test-slow:
 	$(PY) -m pytest -q -m slow

@@ -2,5 +2,11 @@
 
 from hf_acco.tools.memory import main
 
-if __name__ == "__main__":
+
+def cli() -> None:
+    """The console script (``hf-acco-memory``): main's return value is for callers in Python, not an exit status."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

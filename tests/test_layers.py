@@ -55,7 +55,7 @@ def _modules() -> list[Path]:
 
 def test_every_module_of_the_package_is_in_a_layer_or_is_a_public_entry_point() -> None:
     top_level = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert top_level == ["__init__.py", "bench.py", "checkpoint.py", "memory.py", "plan.py", "trl.py"]
+    assert top_level == ["__init__.py", "bench.py", "checkpoint.py", "demo.py", "memory.py", "plan.py", "trl.py"]
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__" and p.name[0] != ".")
     assert folders == sorted(MAY_IMPORT)
 
@@ -93,7 +93,7 @@ def test_no_module_is_longer_than_450_lines() -> None:
 @pytest.mark.parametrize(
     "command",
     [["hf_acco.plan", "--help"], ["hf_acco.memory", "--help"], ["hf_acco.bench", "--help"],
-     ["hf_acco.checkpoint", "--help"]],
+     ["hf_acco.checkpoint", "--help"], ["hf_acco.demo", "--help"]],
     ids=lambda c: c[0],
 )  # fmt: skip
 def test_the_public_commands_start(command: list[str]) -> None:

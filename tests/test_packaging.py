@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import os
 import subprocess
 import sys
 import warnings
@@ -101,3 +102,19 @@ def test_an_untested_transformers_gives_one_warning_naming_the_tested_range(monk
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         versions.warn_if_untested("transformers")  # a patch release of the tested minor: no warning
+
+
+def test_the_demo_starts_its_own_ranks_and_learns(tmp_path: Path) -> None:
+    """``python -m hf_acco.demo`` from outside the source tree, without a launcher: it starts 2 CPU ranks itself and
+    prints the held-out loss before and after; 30 steps bring it down."""
+    import re
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, "-m", "hf_acco.demo", "--max_steps", "30"], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if "held-out loss" in line]
+    before, after = map(float, re.findall(r"held-out loss ([\d.]+) -> ([\d.]+)", line)[0])
+    assert "on 2 CPU ranks" in line and after < before - 0.3, line

@@ -31,13 +31,13 @@ def setting_bytes(method: str, job: Job, cluster: Cluster, gpus: int | None = No
 
 def what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, most_machines: int = 64) -> list[str]:
     """ACCO's settings that would bring it under ``gpu_bytes`` per GPU, with their bytes: bf16 sums, then int8 on
-    the wire too, then the fewest machines (up to ``most_machines``) with those, without and with FSDP inside each
-    machine (which needs 2 machines or more)."""
+    the wire too (gradients and parameter changes: the round's buffer in int8), then the fewest machines (up to
+    ``most_machines``) with those, without and with FSDP inside each machine (which needs 2 machines or more)."""
     bf16 = torch.bfloat16
-    lean = {"grad_dtype": bf16, "comm_dtype": "int8"}
+    lean = {"grad_dtype": bf16, "comm_dtype": "int8", "gather_dtype": "int8"}
     out = []
-    for name, changes in (("acco_grad_dtype='bf16' (bf16 sums)", {"grad_dtype": bf16}),
-                          ("acco_grad_dtype='bf16', acco_comm_dtype='int8'", lean)):  # fmt: skip
+    int8 = "acco_grad_dtype='bf16', acco_comm_dtype='int8', acco_gather_dtype='int8'"
+    for name, changes in (("acco_grad_dtype='bf16' (bf16 sums)", {"grad_dtype": bf16}), (int8, lean)):
         need = setting_bytes("acco", job, cluster, **changes)
         if need < gpu_bytes:
             out.append(f"{name}: {need / 1e9:.1f} GB per GPU ({(gpu_bytes - need) / 1e9:.1f} GB left for activations)")
@@ -49,7 +49,7 @@ def what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, most_machines: 
         while extra is not None and machines <= most_machines:
             need = setting_bytes("acco", job, cluster, machines * g, **extra)
             if need < gpu_bytes:
-                out.append(f"{machines} machines of {g} GPUs{what}, bf16 sums, int8 on the wire: {need / 1e9:.1f} "
+                out.append(f"{machines} machines of {g} GPUs{what}, {int8}: {need / 1e9:.1f} "
                            f"GB per GPU ({(gpu_bytes - need) / 1e9:.1f} GB left for activations)")  # fmt: skip
                 break
             machines *= 2
