@@ -1,4 +1,4 @@
-.PHONY: style quality test test-slow test-gpu gpu-check test-latest bench bench-ab docs wheel-check
+.PHONY: style quality test test-slow test-gpu gpu-check test-latest test-range bench bench-ab docs wheel-check
 
 PY ?= python3
 
@@ -38,6 +38,11 @@ test-latest:
 	. .venv-latest/bin/activate && python3 -m pip install torch==2.13.0 && \
 		python3 -m pip install -e ".[tests]" "torch==2.13.0" && \
 		python3 -m pip freeze --exclude-editable && python3 -m pytest
+
+# The default suite against the oldest and the newest transformers / accelerate setup.cfg allows (.ci/test_range):
+# before a release, and when either makes a release. PAIRS=newest for one of them.
+test-range:
+	PAIRS="$(or $(PAIRS),oldest newest)" bash .ci/test_range
 
 # Before committing a change to the engine's round or step path: the headline benchmark, BASE against the working
 # tree, alternated on this machine (about 12 minutes for 2 rounds). Ratios side by side; a measurement, not a test.

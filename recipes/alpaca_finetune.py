@@ -7,9 +7,9 @@
         --dataset_path ../shared/data/alpaca/alpaca_data_first200.json --use_lora --method ddp
     # the same through TRL's SFTTrainer (prompt-completion data, loss on the completion only)
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py --trl
-    # a real model and the Hub dataset on 8 GPUs
+    # a real model (its weights in bf16) and the Hub dataset on 8 GPUs
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/alpaca_finetune.py \\
-        --model_name_or_path EleutherAI/pythia-410m --hub --bf16 --max_steps 1000
+        --model_name_or_path EleutherAI/pythia-410m --dtype bfloat16 --hub --bf16 --max_steps 1000
 
 Steps: load the records; hold some out; build the model and tokenizer; format prompts (loss on the response
 only); train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp), or with ``--trl`` ACCOSFTTrainer or TRL's
@@ -85,6 +85,11 @@ class ScriptArguments:
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
     lora_target_modules: str = field(default="q_proj,v_proj", metadata={"help": "Comma-separated module names."})
     trl: bool = field(default=False, metadata={"help": "Train through TRL's SFTTrainer (hf_acco.trl for ACCO)."})
+    dtype: str | None = field(
+        default=None, metadata={"help": "The model's weights: bfloat16 or float32 (default: bfloat16 with --bf16, "
+                                "else float32). ACCO keeps fp32 master weights of each rank's shard either way.",
+                                "choices": ["bfloat16", "float32"]}
+    )  # fmt: skip
 
 
 def _without(cls: type, name: str) -> type:
@@ -120,7 +125,7 @@ def build_model_and_tokenizer(args: ScriptArguments, records: list[dict]):
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.dtype))
     else:  # offline: a word-level tokenizer over the data and a small Llama (about 1 M parameters)
         tokenizer = build_word_tokenizer([format_prompt(r) + " " + r["output"] for r in records])
         torch.manual_seed(0)
@@ -128,7 +133,7 @@ def build_model_and_tokenizer(args: ScriptArguments, records: list[dict]):
                              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=args.max_length,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                              bos_token_id=tokenizer.eos_token_id)  # fmt: skip
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
     if args.use_lora:
         from peft import LoraConfig, get_peft_model
 
@@ -183,6 +188,7 @@ def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, Any, type]:
     script_args, training_args = parser.parse_args_into_dataclasses(argv)
     if trl:
         script_args.max_length = training_args.max_length
+    script_args.dtype = script_args.dtype or ("bfloat16" if training_args.bf16 else "float32")
     trainer_cls, config_cls = trainer_classes(script_args.method, script_args.trl)
     if script_args.method == "ddp":  # the baseline: the same arguments without the acco_ ones
         training_args = baseline_arguments(training_args, config_cls)

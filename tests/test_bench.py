@@ -193,6 +193,7 @@ def test_the_benchmarks_int8_rows_send_int8_gradients_and_parameter_changes(tmp_
     assert runs["acco-int8-int4"]["t_comm_s"] / runs["sync"]["t_comm_s"] == pytest.approx(int4)
 
 
+@pytest.mark.slow  # (the default suite's 10-minute budget; `make test-slow`)
 def test_the_benchmark_command_with_3_ranks_and_emulated_compute(tmp_path):
     """3 ranks (odd: the shards pad), GPU-like compute: every micro-batch takes at least the stated 40 ms and the
     ballast's 30,000 elements are communicated; the rows say emulated."""
@@ -487,6 +488,7 @@ def test_beside_times_micro_batches_alone_and_beside_real_rounds(tmp_path):
 
 
 @pytest.mark.skipif(link.unavailable() is not None, reason=f"shaped link unavailable: {link.unavailable()}")
+@pytest.mark.slow  # (the default suite's 10-minute budget; `make test-slow`)
 def test_the_hsdp_benchmark_at_2_nodes_of_2(tmp_path):
     """FSDP2 inside 2 nodes of 2 ranks, HSDP's all-reduce or ACCO's rounds across (about a minute). What crosses
     the uplinks per step is the design's: HSDP all-reduces each rank's FSDP shard once (two nodes: its shard's bytes

@@ -348,6 +348,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "bench-ab-moments-in-place": lambda: results_docs.bench_ab_table("824f643_vs_a0158e0"),
     "bench-ab-lazy-zero": lambda: results_docs.bench_ab_table("0abc56d_vs_81a160a"),
     "bench-ab-fsdp-engine": lambda: results_docs.bench_ab_table("b73aaa4_vs_6182267"),
+    "bench-ab-packed-round": lambda: results_docs.bench_ab_table("e753052_vs_b6b86a4"),
     "bench-ab-gloo-all-gather-first": lambda: results_docs.bench_ab_table("691166d_vs_691166d-dirty"),
     "beside-bisect": lambda: results_docs.beside_table(
         "bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")
