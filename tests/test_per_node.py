@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_acco.engine.checkpoint import main as checkpoint_cli
 from hf_acco.engine.checkpoint import shard_filename
+from hf_acco.tools.checkpoint_cli import main as checkpoint_cli
 
 from .helpers import rel
 from .test_trainer import flat, train
@@ -84,3 +84,29 @@ def test_a_skipped_checkpoint_is_reported_with_the_rank_and_node_that_saw_it(
     with caplog.at_level("WARNING", logger="hf_acco.integrations.trainer"):
         assert complete_checkpoints(str(tmp_path), world_size=2, ranks=[1]) == {}
     assert "checkpoint-4 (on rank 1, node 1, " in caplog.text and "shards of ranks [1] (of 2)" in caplog.text
+
+
+def test_a_replaced_machine_rebuilds_the_shards_it_lost_and_training_goes_on(tmp_path: Path, straight) -> None:
+    """Machine 1 is replaced after step 4's checkpoint, its disk empty: its checkpoint is copied from machine 0 (the
+    model files are the same everywhere, the optimizer shard is machine 0's own), ``python -m hf_acco.checkpoint
+    rebuild`` writes rank 1's shard from the model weights, and both ranks resume. Rank 0's state is exact; rank 1's
+    master is exact (an fp32 model) and its moments restart, so the run stays close to the uninterrupted one."""
+    out = _copy(straight, tmp_path)
+    shutil.rmtree(out / "node0" / "checkpoint-8")
+    shutil.rmtree(out / "node1")  # the replaced machine: nothing of machine 1 survives
+    shutil.copytree(out / "node0" / "checkpoint-4", out / "node1" / "checkpoint-4")
+    with pytest.raises(RuntimeError, match="No valid checkpoint found"):  # rank 1's shard is nowhere
+        train(out, acco=True, max_steps=8, resume="last", **PER_NODE)
+    checkpoint_cli(["rebuild", str(out / "node1" / "checkpoint-4")])
+    lost, kept = (torch.load(out / f"node{n}" / "checkpoint-4" / shard_filename(r, 2)) for n, r in ((1, 1), (0, 0)))
+    original = torch.load(straight[0] / "node1" / "checkpoint-4" / shard_filename(1, 2))
+    assert lost["rebuilt"] and torch.equal(lost["master"], original["master"])  # from the fp32 weights: exact
+    assert all(not v.any() for v in lost["optim_state"].values()) and kept["optim_state"]["exp_avg"].any()
+    resumed = train(out, acco=True, max_steps=8, resume="last", **PER_NODE)
+    for r in range(2):
+        assert steps_computed(resumed[r]) == 4  # steps 5 to 8
+    assert torch.equal(flat(resumed[0]["params"]), flat(resumed[1]["params"]))
+    gap = rel(flat(resumed[0]["params"]), flat(straight[1][0]["params"]))
+    assert 0 < gap < 0.05, gap  # half the moments restarted at step 4: close to the uninterrupted run, not equal
+    with pytest.raises(SystemExit):  # a surviving shard is never overwritten
+        checkpoint_cli(["rebuild", str(out / "node1" / "checkpoint-4"), "--ranks", "0"])

@@ -103,6 +103,25 @@ class FlatLayout:
         self.padded_numel = self.num_buckets * self.bucket_size
         self.shard_numel = self.num_buckets * self.chunk
 
+    @classmethod
+    def from_meta(cls, meta: dict) -> FlatLayout:
+        """The layout a checkpoint recorded (``meta()``), without parameters: for tools that read its shards."""
+        layout = cls.__new__(cls)
+        layout.params, layout.names, layout.groups = [], list(meta["names"]), list(meta["groups"])
+        layout.shapes = [tuple(s) for s in meta["shapes"]]
+        layout.numels = [math.prod(s) for s in layout.shapes]
+        layout.offsets = [sum(layout.numels[:i]) for i in range(len(layout.numels))]
+        layout.numel = sum(layout.numels)
+        if layout.numel != meta["numel"]:
+            raise ValueError(
+                f"an inconsistent layout record: its shapes hold {layout.numel} elements, not {meta['numel']}"
+            )
+        layout.world_size, layout.chunk, layout.num_buckets = meta["world_size"], meta["chunk"], meta["num_buckets"]
+        layout.bucket_size = layout.bucket_numel = layout.world_size * layout.chunk
+        layout.padded_numel = layout.num_buckets * layout.bucket_size
+        layout.shard_numel = layout.num_buckets * layout.chunk
+        return layout
+
     # ---- flat buffers -------------------------------------------------------------------------------------
 
     def new_flat(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:

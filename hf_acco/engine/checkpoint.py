@@ -8,7 +8,6 @@ under the real name.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -238,30 +237,3 @@ def _read(path: Path) -> dict[str, Any]:
             f"Could not read the ACCO optimizer shard {path} ({type(e).__name__}: {e}). The file is damaged; "
             "resume from an earlier checkpoint."
         ) from e
-
-
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m hf_acco.checkpoint",
-        description="ACCO optimizer shards. gather: copy the shards of per-node checkpoints (save_on_each_node=True, "
-        "one directory per machine) into one, so that it resumes on any number of ranks.",
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("gather", help="copy every node's optimizer shards into one directory")
-    g.add_argument("--into", required=True, help="the directory to resume from (e.g. one node's checkpoint-N)")
-    g.add_argument("sources", nargs="+", help="the nodes' checkpoint-N directories (copied here first)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = make_parser()
-    args = p.parse_args(argv)
-    try:
-        written = gather_shards(args.sources, args.into)
-    except (ValueError, FileNotFoundError) as e:
-        p.error(str(e))
-    print(f"{len(written)} optimizer shards in {args.into}")
-
-
-if __name__ == "__main__":
-    main()

@@ -103,7 +103,8 @@ def resolve_resume(args: TrainingArguments, resume_from_checkpoint: str | bool |
             raise ValueError(  # Trainer's words, then ACCO's detail
                 f"No valid checkpoint found in output directory ({args.output_dir}): no complete "
                 "checkpoint to resume from. Start without resume_from_checkpoint, or point it at a checkpoint "
-                "directory."
+                "directory. A machine replaced with an empty disk (save_on_each_node): copy a surviving machine's "
+                "checkpoint-N there and run python -m hf_acco.checkpoint rebuild checkpoint-N."
             )
         return mine[max(everywhere)]
     if isinstance(resume_from_checkpoint, str):
