@@ -94,7 +94,8 @@ def _held(
      (2, "acco", "fp32", torch.bfloat16, "fp32", False), (4, "acco", "bf16", torch.bfloat16, "fp32", True),
      (4, "acco", "bf16", torch.bfloat16, "bf16", False), (2, "acco", "int8", torch.bfloat16, "fp32", True),
      (4, "acco", "int8", torch.bfloat16, "fp32", True), (2, "sync", "int8", torch.float32, "fp32", False),
-     (2, "acco", "int8:int8", torch.bfloat16, "bf16", True), (4, "acco", "int8:int4", torch.float32, "fp32", False)],
+     (2, "acco", "int8:int8", torch.bfloat16, "bf16", True), (4, "acco", "int8:int4", torch.float32, "fp32", False),
+     (4, "sync", "int8:int8", torch.bfloat16, "fp32", True)],
 )  # fmt: skip
 def test_the_report_is_what_the_engine_holds(
     world_size: int, schedule: str, comm_dtype: str, model_dtype: torch.dtype, grad_dtype: str, fused: bool

@@ -361,6 +361,7 @@ class Communicator:
             if len(pending) >= self.max_inflight:
                 self._sum_unpacked(layout, rows, *pending.pop(0))
             if flat.dtype == torch.int8:  # packed at the hand-over (deltas.PackedRound): every chunk's row as it is
+                assert feedback is None, "error feedback packs in the round: the engine does not pack then"
                 send, group = flat[b], self.group
             else:
                 if self.two_level is None:

@@ -166,7 +166,11 @@ class PackedRound:
         layout = self.layout
         for b in range(layout.num_buckets):
             rows = layout.bucket(sums, b).view(layout.world_size, layout.chunk)
-            quant.pack(rows if rows.dtype == wire else rows.to(wire), out=buf[b])
+            if rows.dtype == wire:
+                quant.pack(rows, out=buf[b])
+                continue
+            for r in range(layout.world_size):  # rounded a row at a time: no bucket-sized temporary
+                quant.pack(rows[r : r + 1].to(wire), out=buf[b, r : r + 1])
 
     def _changes(self, buf: torch.Tensor, b: int) -> torch.Tensor:
         """Bucket b's rows of packed changes ((world_size, change_row), contiguous, inside bucket b's bytes)."""

@@ -82,9 +82,9 @@ class RoundInFlight:
         if self.current is None:
             return
         self.stats.wait_s += self._wait()
+        self.current = None  # consumed before it is loaded: a load that fails is never applied twice (packed: adds)
         self.buffers.load_round_output()
         self.buffers.round_returned()
-        self.current = None
 
     def drop(self) -> None:
         self.current = None

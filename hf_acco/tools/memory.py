@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_acco.comm import quant
 from hf_acco.comm.deltas import GATHER_DTYPES, check_gather_dtype
 from hf_acco.comm.nodes import machines
 from hf_acco.comm.sharding import FlatLayout
@@ -114,11 +115,13 @@ def engine_memory(
     ranks_per_node: int = 1,
     error_feedback: bool = False,
     fsdp_shard: int = 1,
+    packed: bool | None = None,
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks. ``fsdp_shard``: the
     ranks of a machine that shard the model with FSDP2 (docs/hsdp.md): the engine then holds one FSDP shard's
     numbers (``numel / fsdp_shard`` elements: FSDP splits each parameter's first dimension, within a row of even)
-    and its rounds run over ``world_size / fsdp_shard`` ranks, one per machine."""
+    and its rounds run over ``world_size / fsdp_shard`` ranks, one per machine. ``packed``: whether the round's buffer
+    holds int8 rows (None: the engine's rule for these settings)."""
     if fsdp_shard > 1:
         if world_size % fsdp_shard:
             raise ValueError(f"world_size ({world_size}) is machines x fsdp_shard: {fsdp_shard} does not divide it")
@@ -133,10 +136,13 @@ def engine_memory(
     room = shard_grad_room(grad_dtype if comm is None else comm, comm_dtype, world_size, layout.chunk)
     change_bits = check_gather_dtype(gather_dtype)
     nodes, per_node = machines(layout.world_size, ranks_per_node)
-    packed = bool(  # the round's buffer as int8 rows: the engine's own rule (buffers.packed_round)
-        quantized and change_bits and not error_feedback and comm is not None and world_size > 1
-        and not (nodes > 1 and per_node > 1) and packed_round_saves(layout, param_dtype, comm_dtype, grad_dtype)
-    )  # fmt: skip
+    if (
+        packed is None
+    ):  # the round's buffer as int8 rows: the engine's rule (core._build_buffers, buffers.packed_round)
+        packed = bool(
+            quantized and change_bits and not error_feedback and schedule != "sync" and world_size > 1
+            and not (nodes > 1 and per_node > 1) and packed_round_saves(layout, param_dtype, comm_dtype, grad_dtype)
+        )  # fmt: skip
     if packed:
         room = None
     persistent = {
@@ -163,6 +169,11 @@ def engine_memory(
     if schedule == "sync":  # no estimate round
         round_pool.pop("round: Adam estimate windows")
     temporaries = {"main thread at a step boundary (no shard-sized copy)": 0}
+    if packed:  # quantising the sums (a row rounded to the wire's dtype, its fp32 copy), adding the changes
+        row = quant.num_blocks(layout.chunk) * quant.BLOCK
+        temporaries["main thread at a step boundary: packing the sums, adding the changes (a chunk's)"] = (
+            row * fp32 + layout.chunk * max(comm_dtype.itemsize, param_dtype.itemsize)
+        )
     if fsdp_shard > 1:  # FSDP's own, beside the activations (neither counted): the layers it has all-gathered
         temporaries["FSDP: the unsharded layers of the forward and backward (not counted: a layer or two)"] = 0
     host = {}
@@ -207,6 +218,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         state_per_element=len(opt.shard.state_tensors()[0]) or 2,
         max_inflight=opt.comm.max_inflight,
         optimizer="fused" if fused else "foreach",
+        packed=opt.buffers.packed is not None,
     )
 
 
