@@ -344,7 +344,8 @@ def main() -> None:
     rows = commands[args.command](args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if os.environ.get("HF_ACCO_IN_NETNS") == "1" or args.command != "bytes":
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+        command = " ".join(["python", "benchmarks/engine.py", *sys.argv[1:]])
+        Path(args.out).write_text(json.dumps({"command": command, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
-    (out / "runs.json").write_text(json.dumps({"args": vars(cli), "runs": runs}, indent=1))
+    command = " ".join(["python", "benchmarks/heterogeneous_trainer.py", *sys.argv[1:]])
+    (out / "runs.json").write_text(json.dumps({"command": command, "args": vars(cli), "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     keep = ("method", "seed", "steps", "tokens", "final_val_loss", "final_val_ppl", "val_losses", "eval_steps",
             "train_losses",
             "warmup_steps", "lambada_acc", "lambada_ppl", "lambada_docs")  # fmt: skip
-    payload = {"runs": [{k: r[k] for k in keep if k in r} for r in runs], "summary": summary}
+    payload = {"command": " ".join(["python", "recipes/convergence_study.py", *sys.argv[1:]]),
+               "runs": [{k: r[k] for k in keep if k in r} for r in runs], "summary": summary}  # fmt: skip
     if args.chain:
         alpaca = chain(args)
         payload["runs"] += alpaca

@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train_losses": [[h["step"], h["loss"]] for h in trainer.state.log_history if "loss" in h],
         "warmup_steps": getattr(training_args, "acco_warmup_steps", 0),
         "wire": _wire(script_args, training_args),
+        "command": " ".join(["recipes/pretrain_clm.py", *sys.argv[1:]]),  # (under accelerate launch or torchrun)
     }
     if script_args.lambada_path and os.path.isfile(script_args.lambada_path):
         metrics.update(lambada(trainer.model, tokenizer, script_args.lambada_path, script_args.lambada_docs, trainer))

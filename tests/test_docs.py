@@ -4,11 +4,15 @@ options table names every ACCO setting, and a removed setting is refused with wh
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from hf_acco.tools import docs
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_rendered_block_is_up_to_date():
@@ -47,3 +51,15 @@ def test_a_removed_setting_is_refused_with_what_to_do(tmp_path):
 def test_an_unknown_block_is_an_error():
     with pytest.raises(ValueError, match="unknown rendered block 'nope'"):
         docs.render("<!-- rendered: nope -->\nx\n<!-- /rendered -->\n", "x.md")
+
+
+def test_every_result_file_records_the_command_that_wrote_it():
+    """The figures of README.md and docs/ are rendered from these files (test_every_rendered_block_is_up_to_date:
+    a missing file fails there); each says how it was made."""
+    found = [p for base in ("recipes/results", "benchmarks/results") for p in (ROOT / base).rglob("*.json")]
+    lacking = []
+    for path in found:
+        record = json.loads(path.read_text())
+        if not (isinstance(record, dict) and (record.get("command") or record.get("commands"))):
+            lacking.append(str(path.relative_to(ROOT)))
+    assert len(found) > 20 and not lacking, lacking

@@ -146,7 +146,7 @@ def scaling_table() -> str:
 
 def engine_bytes() -> str:
     """``python benchmarks/engine.py bytes``: bytes on the wire of one round's collectives on gloo (2 ranks)."""
-    rows = {r["spelling"]: r for r in json.loads((RESULTS / "engine" / "bytes.json").read_text())}
+    rows = {r["spelling"]: r for r in _rows(json.loads((RESULTS / "engine" / "bytes.json").read_text()))}
     names = {
         "all_to_all": "all-to-all reduce-scatter + all-gather (hf_acco on gloo)",
         "native": "native reduce-scatter + all-gather",
@@ -205,9 +205,14 @@ def wakeups_table(day: str = "2026-12-03") -> str:
     return "\n".join(out) + "\n"
 
 
+def _rows(payload: dict | list) -> list:
+    """A result file's rows: ``{"command": ..., "rows": [...]}`` (benchmarks/engine.py)."""
+    return payload["rows"] if isinstance(payload, dict) else payload
+
+
 def lifecycle_table() -> str:
     """``python benchmarks/engine.py lifecycle``: peak RSS per rank after each phase (MB)."""
-    runs = json.loads((RESULTS / "lifecycle" / "lifecycle.json").read_text())
+    runs = _rows(json.loads((RESULTS / "lifecycle" / "lifecycle.json").read_text()))
     rows = ["| ranks | rank | peak RSS after each phase (MB) |", "|---:|---:|---|"]
     for r in runs:
         phases = ", ".join(f"{phase} {rss / 1e6:,.0f}" for phase, rss in r["peak_rss_bytes"].items())

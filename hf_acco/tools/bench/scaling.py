@@ -313,7 +313,7 @@ def analyse(measured: dict[str, Any], groups: dict[str, list[dict]], out: Path) 
         "runs": every,
     }
     (out / "benchmark.json").write_text(json.dumps(payload, indent=1))
-    (out / "constants.json").write_text(json.dumps(asdict(constants), indent=1))
+    (out / "constants.json").write_text(json.dumps({"command": measured["command"], **asdict(constants)}, indent=1))
     (out / "table.md").write_text(table(every, check))
     plot(runs, out / "step_time_vs_world_size.png")
     print(table(every, check))
