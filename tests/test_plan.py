@@ -125,10 +125,10 @@ def test_dynamic_halves_are_the_claims_simulated():
     # a rank twice as slow: fixed waits for it, dynamic lets the fast rank compute more of the same global batch
     mixed = plan.Job(params=1e3, micro_batch_s=[0.1, 0.2], micro_batches=4)
     fixed = plan.predict("acco", "fixed", mixed, flat(2, 8.0), C0)
-    dynamic = plan.predict("acco", "dynamic", mixed, flat(2, 8.0), C0)
+    dynamic = plan.predict("acco", "paced", mixed, flat(2, 8.0), C0)
     assert fixed["step_s"] == pytest.approx(0.8) and dynamic["step_s"] == pytest.approx(0.6)
     same = plan.Job(params=1e3, micro_batch_s=[0.1], micro_batches=4)
-    assert plan.predict("acco", "dynamic", same, flat(4, 8.0), C0)["step_s"] == pytest.approx(
+    assert plan.predict("acco", "paced", same, flat(4, 8.0), C0)["step_s"] == pytest.approx(
         plan.predict("acco", "fixed", same, flat(4, 8.0), C0)["step_s"]
     )
 
@@ -176,7 +176,7 @@ def test_recommendation_follows_the_cost_model():
     assert {o["grad_bytes"] for o in rec["options"] if o["method"] == "acco"} == {4, 2}  # fp32 and bf16 wires
     assert plan.candidates(6) == [1, 2, 4, 6] and plan.candidates(1) == [1]
     mixed = replace(heavy, micro_batch_s=[0.14] * 4 + [0.28] * 4)  # half the cluster twice as slow
-    assert plan.recommend(mixed, cluster, C0)["choice"]["accumulation"] == "dynamic"
+    assert plan.recommend(mixed, cluster, C0)["choice"]["accumulation"] == "paced"
 
 
 def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tmp_path):
@@ -184,7 +184,7 @@ def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tm
             "--micro_batch_s", "0.32", "--micro_batches", "8"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "hf_acco.plan", *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    for row in ("| DDP (Trainer) |", "| ZeRO-1 |", "| ACCO fixed |", "| ACCO dynamic |", "Recommended: ACCO fixed",
+    for row in ("| DDP (Trainer) |", "| ZeRO-1 |", "| ACCO fixed |", "| ACCO paced |", "Recommended: ACCO fixed",
                 "acco_comm_dtype=", "acco_bucket_numel=", "alpha 20 / 20 us", "fitted with gloo on CPU ranks",
                 "The formulas: --explain."):  # fmt: skip
         assert row in done.stdout
@@ -198,7 +198,7 @@ def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tm
     assert plan.main([*spelled, "--param_dtype", "bf16", "--quiet"]) == plan.main(
         [*argv, "--model_dtype", "bf16", "--quiet"]
     )
-    assert set(out["predictions"]) == {"ddp:fixed", "sync:fixed", "acco:fixed", "acco:dynamic"}
+    assert set(out["predictions"]) == {"ddp:fixed", "sync:fixed", "acco:fixed", "acco:paced"}
     constants = tmp_path / "constants.json"
     constants.write_text(json.dumps({"alpha_s": 1e-3, "efficiency": {"round": 0.5, "all_reduce": 0.5}}))
     slower = plan.main([*argv, "--json", "--backend", "gloo", "--constants", str(constants)])
@@ -214,7 +214,7 @@ def test_the_planner_command_prints_its_table_and_refuses_what_it_cannot_plan(tm
         slower["predictions"]["sync:fixed"]["comm_s"]
     )
     mixed = plan.main([*argv[:-4], "--micro_batch_s", "0.32", "0.64", "--group_gpus", "16", "16", "--json"])
-    assert mixed["predictions"]["acco:dynamic"]["step_s"] < mixed["predictions"]["acco:fixed"]["step_s"]
+    assert mixed["predictions"]["acco:paced"]["step_s"] < mixed["predictions"]["acco:fixed"]["step_s"]
     for bad, why in ((["--micro_batch_s", "0.1", "0.2"], "--group_gpus"), ([], "--micro_batch_s"),
                      (["--micro_batch_s", "0.1", "--group_gpus", "3"], "adding up")):  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "hf_acco.plan", *argv[:6], *bad], capture_output=True,

@@ -71,7 +71,7 @@ def check_halves(args: TrainingArguments) -> None:
             "With acco_schedule='acco' and fixed accumulation each optimizer step has two halves; one micro-batch "
             "of one sample (per_device_train_batch_size=1, gradient_accumulation_steps=1) cannot be split. Use "
             "gradient_accumulation_steps >= 2 or per_device_train_batch_size >= 2, or acco_schedule='sync' / "
-            "'dpu' (one half per step), or acco_accumulation='dynamic'."
+            "'dpu' (one half per step), or acco_accumulation='paced'."
         )
 
 

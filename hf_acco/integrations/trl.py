@@ -30,7 +30,7 @@ class _GathersPerMicroBatch(ACCOTrainerMixin):
         super().__init__(*args, **kwargs)
         if engine_accumulation(self.args) == "paced":
             raise ValueError(
-                f"{type(self).__name__} cannot use acco_accumulation='dynamic': TRL's compute_loss gathers metrics "
+                f"{type(self).__name__} cannot use acco_accumulation='paced': TRL's compute_loss gathers metrics "
                 "across ranks on every micro-batch, and with dynamic accumulation ranks compute different numbers "
                 "of micro-batches, so a rank would wait in a gather its peers never reach. Use "
                 "acco_accumulation='fixed'."

@@ -60,14 +60,14 @@ def build_pacer(trainer: ACCOTrainerMixin) -> Pacer:
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy not in ("random", "sequential", "group_by_length"):
         raise ValueError(
-            f"train_sampling_strategy={strategy!r} is not supported with acco_accumulation='dynamic' (it plans "
+            f"train_sampling_strategy={strategy!r} is not supported with acco_accumulation='paced' (it plans "
             "each rank's batches ahead; here ranks claim batches as they go). Use 'random', 'sequential' or "
             "'group_by_length'."
         )
     seed = args.data_seed if args.data_seed is not None else args.seed
     if args.dataloader_num_workers > 0:
         logger.warning(
-            "acco_accumulation='dynamic' with dataloader_num_workers=%d: the workers claim about prefetch_factor "
+            "acco_accumulation='paced' with dataloader_num_workers=%d: the workers claim about prefetch_factor "
             "x num_workers batches ahead, so a slow rank holds more claims than it would compute in time. Use 0 "
             "or 1 worker and a small dataloader_prefetch_factor when a rank is much slower.",
             args.dataloader_num_workers,

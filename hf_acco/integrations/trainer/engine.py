@@ -81,7 +81,7 @@ def check_args(training_args: TrainingArguments) -> None:
     )
     if engine_accumulation(training_args) == "paced" and training_args.ddp_broadcast_buffers:
         raise ValueError(
-            "ddp_broadcast_buffers=True cannot be honoured with acco_accumulation='dynamic': ranks compute different "
+            "ddp_broadcast_buffers=True cannot be honoured with acco_accumulation='paced': ranks compute different "
             "numbers of micro-batches, so they never meet before the same forward. Set ddp_broadcast_buffers=False "
             "(each rank keeps its own buffers), or use acco_accumulation='fixed'."
         )
@@ -109,7 +109,7 @@ def check_trainer(trainer: ACCOTrainerMixin) -> None:
         fsdp.check_args(args)
         if engine_accumulation(args) == "paced":
             raise ValueError(
-                "acco_accumulation='dynamic' with FSDP: the ranks of a machine must compute the same micro-batches "
+                "acco_accumulation='paced' with FSDP: the ranks of a machine must compute the same micro-batches "
                 "(FSDP's collectives run in lockstep). Use acco_accumulation='fixed'."
             )
         if trainer.optimizer is not None:
@@ -126,7 +126,7 @@ def check_trainer(trainer: ACCOTrainerMixin) -> None:
     ):
         warnings.warn(
             "The model keeps running statistics (BatchNorm), which DDP would broadcast from rank 0 before each "
-            "optimizer step; with acco_accumulation='dynamic' ranks do not meet before the same forward, so each rank "
+            "optimizer step; with acco_accumulation='paced' ranks do not meet before the same forward, so each rank "
             "keeps its own. Set ddp_broadcast_buffers=False to say so, or use acco_accumulation='fixed'.",
             stacklevel=3,
         )
@@ -136,7 +136,7 @@ def check_trainer(trainer: ACCOTrainerMixin) -> None:
         and args.world_size * args.gradient_accumulation_steps < 2
     ):
         raise ValueError(
-            "acco_accumulation='dynamic' with acco_schedule='acco' needs a global batch of at least 2 "
+            "acco_accumulation='paced' with acco_schedule='acco' needs a global batch of at least 2 "
             "micro-batches (one per half): world_size x gradient_accumulation_steps is 1. Raise "
             "gradient_accumulation_steps, or use acco_accumulation='fixed' (it splits a micro-batch in two)."
         )

@@ -175,7 +175,7 @@ def examples_table() -> str:
     """The planner on :data:`EXAMPLES`: step times of every method at 8 micro-batches (the engine's default wire:
     bf16 gradients for a bf16 model), the recommendation, and each row's command."""
     lines = [
-        "| cluster | DDP (s) | ZeRO-1 (s) | ACCO fixed (s) | ACCO dynamic (s) | recommended | its step (s), "
+        "| cluster | DDP (s) | ZeRO-1 (s) | ACCO fixed (s) | ACCO paced (s) | recommended | its step (s), "
         "tokens/s vs DDP |",
         "|---|---:|---:|---:|---:|---|---|",
     ]

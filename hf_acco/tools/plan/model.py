@@ -4,7 +4,7 @@
         --micro_batch_s 0.32 --micro_batches 8
 
 prints the predicted step time, tokens/s and exposed communication of DDP (as Trainer runs it), ZeRO-1 and ACCO
-(fixed and dynamic accumulation), the settings it recommends, and the formulas below. Standard library only.
+(fixed and paced accumulation), the settings it recommends, and the formulas below. Standard library only.
 
 **Collectives** (``B`` bytes, ``p`` ranks, link ``bw`` bytes/s, ``alpha`` s per step of a ring)::
 
@@ -68,9 +68,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-METHODS = (("ddp", "fixed"), ("sync", "fixed"), ("acco", "fixed"), ("acco", "dynamic"))
+METHODS = (("ddp", "fixed"), ("sync", "fixed"), ("acco", "fixed"), ("acco", "paced"))
+# paced (Trainer's acco_accumulation="paced": the ranks claim a global batch's micro-batches as they are free) is what
+# the planner models for GPUs of unequal speed; "dynamic" is taken for it too (Trainer's old name; the benchmarks'
+# runs of the engine's own dynamic mode are compared with it, the nearest model)
+PACED = ("paced", "dynamic")
 NAMES = {("ddp", "fixed"): "DDP (Trainer)", ("sync", "fixed"): "ZeRO-1", ("acco", "fixed"): "ACCO fixed",
-         ("acco", "dynamic"): "ACCO dynamic"}  # fmt: skip
+         ("acco", "paced"): "ACCO paced"}  # fmt: skip
 DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 2**20, 25 * 2**20  # DDP's defaults (bucket_cap_mb 25)
 NCCL_BUCKET_NUMEL = (1 << 22, 1 << 28)  # the engine's automatic bucket range on NCCL (hf_acco/comm/sharding.py)
 # NCCL's latency per ring step on NVLink / InfiniBand is some microseconds (nccl-tests' small-message times);
@@ -203,7 +207,7 @@ def ddp_exposed(nbytes: float, backward_s: float, cluster: Cluster, c: Constants
 
 def claims_time(times: Sequence[float], micro_batches: int) -> float:
     """Seconds until ``micro_batches`` micro-batches are done when ranks of these per-micro-batch ``times``
-    each claim the next one as soon as they are free (dynamic accumulation's claims, simulated)."""
+    each claim the next one as soon as they are free (paced accumulation's claims, simulated)."""
     if micro_batches <= 0:
         return 0.0
     free = [(0.0, i) for i in range(len(times))]
@@ -249,7 +253,7 @@ def predict(method: str, accumulation: str, job: Job, cluster: Cluster, c: Const
         exposed = round_s if p > 1 else 0.0
     elif method == "acco":
         comm = 2 * round_s
-        if accumulation == "dynamic":  # the step's p * k claims, computed by the ranks together
+        if accumulation in PACED:  # the step's p * k claims, computed by the ranks together
             compute = claims_time(times, p * k)
             exposed = max(compute, comm) - compute
         else:  # one micro-batch is split along the batch (two halves of t / 2)
@@ -288,7 +292,7 @@ def recommend(
     ``job.micro_batches``) and gradient dtype on the wire for ACCO / ZeRO-1 (``grad_bytes``; default the stated
     one, and bf16 too when fp32 is stated) of the most tokens/s; among settings within ``tolerance`` of it, the
     one with the fewest micro-batches (a smaller global batch converges better per token), then the first in
-    :data:`METHODS` (DDP, ZeRO-1, ACCO fixed, ACCO dynamic: the simpler first), then fp32 on the wire (exact).
+    :data:`METHODS` (DDP, ZeRO-1, ACCO fixed, ACCO paced: the simpler first), then fp32 on the wire (exact).
     With ``memory`` (bytes per GPU of a method's setting) and ``gpu_bytes``, only the settings that fit are chosen
     from; ``choice`` is None when none does."""
     options: list[dict[str, Any]] = []
@@ -296,8 +300,8 @@ def recommend(
     wires = grad_bytes or ((4, 2) if job.grad_bytes == 4 else (job.grad_bytes,))
     for k in ks or candidates(job.micro_batches):
         for order, (method, acc) in enumerate(methods):
-            if acc == "dynamic" and max(times) <= 1.05 * min(times):
-                continue  # all ranks about equally fast: dynamic can only match fixed
+            if acc in PACED and max(times) <= 1.05 * min(times):
+                continue  # all ranks about equally fast: paced can only match fixed
             for wire in wires if method != "ddp" else (job.grad_bytes,):  # DDP: the model's dtype
                 setting = replace(job, micro_batches=k, grad_bytes=wire)
                 pred = predict(method, acc, setting, cluster, c)
