@@ -15,8 +15,11 @@ What can be rebuilt, and how:
   survivors'.
 
 The ranks whose shards survive resume exactly; the rebuilt ones resume like a restart of the optimizer for their
-elements. Torch only: the weights come in as a mapping of parameter name to tensor (``hf_acco/tools/checkpoint_cli.py``
-reads them from a Trainer checkpoint's model files).
+elements. Resume a rebuilt checkpoint on the same number of ranks: a re-sharding resume takes each parameter's step
+count from a rank that holds a piece of it, and would give the rebuilt pieces a survivor's count beside zero moments.
+
+Torch only: the weights come in as a mapping of parameter name to tensor (``hf_acco/tools/checkpoint_cli.py`` reads
+them from a Trainer checkpoint's model files).
 """
 
 from __future__ import annotations
@@ -71,14 +74,15 @@ def rebuild_shards(
     targets = sorted(set(range(world)) - set(files)) if ranks is None else sorted(ranks)
     if any(not 0 <= r < world for r in targets):
         raise ValueError(f"ranks must be in 0..{world - 1}, got {targets}")
+    kept = [str(files[r]) for r in targets if r in files]
+    if kept:  # checked before anything is written
+        raise FileExistsError(f"{', '.join(kept)} survive(s): rebuild only the ranks whose shards are lost")
     survivor = _read(files[min(files)])
     layout = FlatLayout.from_meta(survivor["layout"])
     flat = _flat_weights(layout, weights)
     model_dtype = survivor["model"].dtype
     written = []
     for rank in targets:
-        if rank in files:
-            raise FileExistsError(f"{files[rank]} survives: rebuild only the ranks whose shards are lost")
         master = layout.shard_of(flat, rank).clone()
         state = {k: v for k, v in survivor.items() if k not in ("rank", "master", "model", "optim_state")}
         state.update(
