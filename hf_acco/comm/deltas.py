@@ -91,6 +91,20 @@ class ModelPieces:
             sources = [self.params[i].detach().view(-1)[s : s + n] for i, s, n, _ in runs]
             torch._foreach_add_(targets, sources, alpha=alpha)
 
+    def change(self, new: torch.Tensor, b: int, r: int, bits: int) -> torch.Tensor:
+        """Piece (b, r)'s change, packed: ``new`` ((chunk,), the new parameters in the model's dtype) minus the
+        model's elements there, in fp32."""
+        change = new.to(torch.float32, copy=True)
+        self.add_to(change, b, r, alpha=-1.0)
+        return quant.pack(change.view(1, -1), bits=bits)[0]
+
+    def plus_change(self, packed: torch.Tensor, b: int, r: int, bits: int) -> torch.Tensor:
+        """The model's elements of piece (b, r) + the dequantised change ``packed`` (a row), in fp32: the same bits
+        on every rank."""
+        out = quant.unpack(packed.view(1, -1), self.layout.chunk, bits)[0]  # a new float32 row
+        self.add_to(out, b, r)
+        return out
+
     def copy_from(self, out: torch.Tensor, b: int, r: int) -> None:
         """The model's elements of piece (b, r) <- ``out`` ((chunk,)), cast to each parameter's dtype."""
         runs = self.runs(b, r)
@@ -115,9 +129,7 @@ class DeltaGather:
         for b in range(layout.num_buckets):
             if len(pending) >= comm.max_inflight:
                 self._apply(flat, *pending.pop(0))
-            change = layout.piece(flat, b, comm.rank).to(torch.float32, copy=True)  # this rank's new parameters
-            self.model.add_to(change, b, comm.rank, alpha=-1.0)  # minus what every rank holds
-            send = quant.pack(change.view(1, -1), bits=self.bits)[0]
+            send = self.model.change(layout.piece(flat, b, comm.rank), b, comm.rank, self.bits)  # new - held
             recv = torch.empty(comm.world_size, send.numel(), dtype=torch.int8, device=flat.device)
             work = comm.all_gather_packed(recv, send)
             pending.append((b, recv, work, send))  # ``send`` outlives the collective that reads it
@@ -128,9 +140,7 @@ class DeltaGather:
         """Piece (b, r) of ``flat`` <- the model's piece (b, r) + rank r's dequantised change, for every rank r."""
         work.wait()
         for r in range(recv.shape[0]):
-            out = quant.unpack(recv[r : r + 1], self.layout.chunk, self.bits)[0]  # a new float32 row
-            self.model.add_to(out, b, r)
-            self.layout.piece(flat, b, r).copy_(out)
+            self.layout.piece(flat, b, r).copy_(self.model.plus_change(recv[r], b, r, self.bits))
 
 
 class PackedRound:
@@ -184,9 +194,7 @@ class PackedRound:
         for b in range(self.layout.num_buckets):
             if len(pending) >= comm.max_inflight:
                 pending.pop(0)[0].wait()
-            change = new[b].to(self.dtype, copy=True).float()  # a copy: ``new`` may be the master
-            self.model.add_to(change, b, comm.rank, alpha=-1.0)  # minus what every rank holds
-            send = quant.pack(change.view(1, -1), bits=self.bits)[0]
+            send = self.model.change(new[b].to(self.dtype), b, comm.rank, self.bits)  # (never written into ``new``)
             pending.append((comm.all_gather_packed(self._changes(buf, b), send), send))  # send outlives its work
         for work, _send in pending:
             work.wait()
@@ -197,6 +205,4 @@ class PackedRound:
         for b in range(self.layout.num_buckets):
             changes = self._changes(buf, b)
             for r in range(changes.shape[0]):
-                out = quant.unpack(changes[r : r + 1], self.layout.chunk, self.bits)[0]
-                self.model.add_to(out, b, r)
-                self.model.copy_from(out.to(self.dtype), b, r)
+                self.model.copy_from(self.model.plus_change(changes[r], b, r, self.bits).to(self.dtype), b, r)

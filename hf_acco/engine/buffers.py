@@ -136,15 +136,28 @@ def packed_bytes(layout: FlatLayout) -> int:
     return layout.num_buckets * layout.world_size * quant.packed_numel(layout.chunk)
 
 
-def packed_round(
-    comm: Any, layout: FlatLayout, params: Sequence[torch.Tensor], wire: torch.dtype, sums: torch.dtype, bits: int
-) -> PackedRound | None:
-    """A round buffer of packed int8 rows where it saves memory: int8 gradients in one level (a flat all-to-all) and
-    changes in ``bits`` (0: none, or a round that cannot pack at the hand-over), on more than one rank."""
-    if not (bits and comm.quantized_gradients and comm.two_level is None and not comm.local_copies):
-        return None
+def packs_round(layout: FlatLayout, param_dtype: torch.dtype, wire: torch.dtype, sums: torch.dtype, *,
+                int8_grads: bool, change_bits: int, error_feedback: bool, separate: bool, one_level: bool,
+                wired: bool) -> bool:  # fmt: skip
+    """Whether the round's buffer is packed int8 rows (``deltas.PackedRound``; the engine builds it, the memory report
+    counts it): int8 gradients in one level (a flat all-to-all) with quantised changes, a round beside the
+    micro-batches (not sync), no error feedback (it packs in the round), a wire (more than one rank), and fewer
+    bytes than the buffer in the wire's dtype."""
+    if not (int8_grads and change_bits and not error_feedback and separate and one_level and wired):
+        return False
+    return packed_round_saves(layout, param_dtype, wire, sums)
+
+
+def packing(comm: Any, layout: FlatLayout, params: Sequence[torch.Tensor], wire: torch.dtype, sums: torch.dtype,
+            **settings: Any) -> PackedRound | None:  # fmt: skip
+    """The engine's packed round buffer (``packs_round``; ``settings``: its change_bits, error_feedback, separate),
+    or None: the round's buffer in the wire's dtype."""
     dtype = model_dtype(params)
-    return PackedRound(layout, comm, params, bits, dtype) if packed_round_saves(layout, dtype, wire, sums) else None
+    wired, one_level = not comm.local_copies, comm.two_level is None
+    if not packs_round(layout, dtype, wire, sums, int8_grads=comm.quantized_gradients, one_level=one_level,
+                       wired=wired, **settings):  # fmt: skip
+        return None
+    return PackedRound(layout, comm, params, settings["change_bits"], dtype)
 
 
 class BufferPair:

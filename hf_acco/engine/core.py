@@ -43,8 +43,7 @@ from hf_acco.comm.deltas import CHANGE_DTYPES, GATHER_DTYPES, DeltaGather, quant
 from hf_acco.comm.groups import warn_if_one_hardware_queue
 from hf_acco.comm.quant import ErrorFeedback
 from hf_acco.comm.sharding import FlatLayout, trainable_parameters
-from hf_acco.engine import buffers as _buffers
-from hf_acco.engine.buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
+from hf_acco.engine.buffers import BufferPair, check_grad_dtype, model_dtype, packing, parse_comm_dtype, parse_wire
 from hf_acco.engine.fsdp import check_fsdp, local_data
 from hf_acco.engine.halves import halves_for, round_ends_soon
 from hf_acco.engine.inflight import RoundInFlight
@@ -181,7 +180,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         warn_if_one_hardware_queue(self.device)
         if quantized:  # collective (two levels on several machines): before the buffers, which depend on it
             self.comm.use_int8_gradients()
-        self.buffers = self._build_buffers(wire, sums, 0 if error_feedback else change_bits)
+        self.buffers = self._build_buffers(wire, sums, change_bits=change_bits, error_feedback=error_feedback)
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
         self.halves = halves_for(self.accumulation, *counts)
         self.stats = EngineStats()
@@ -217,16 +216,14 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             packed,
         )  # fmt: skip
 
-    def _build_buffers(self, wire: torch.dtype, sums: torch.dtype, change_bits: int = 0) -> BufferPair:
+    def _build_buffers(self, wire: torch.dtype, sums: torch.dtype, **packed: Any) -> BufferPair:
         """The gradient buffer pair, on the parameters' device, checked alike on every rank (collective); the round's
-        packed where it saves memory (a round beside the micro-batches: not sync; no error feedback, which packs)."""
+        packed where it saves memory (``buffers.packs_round``; ``packed``: its change_bits and error_feedback)."""
         separate = self.schedule is not Schedule.SYNC
-        packed = (
-            _buffers.packed_round(self.comm, self.layout, self._params, wire, sums, change_bits) if separate else None
-        )
+        packed_round = packing(self.comm, self.layout, self._params, wire, sums, separate=separate, **packed)
         buffers = BufferPair(
             self._params, self.layout, self.device, separate, comm_dtype=wire, grad_dtype=sums, rank=self.comm.rank,
-            owners=self._owners, packed=packed,
+            owners=self._owners, packed=packed_round,
         )  # fmt: skip
         buffers.check_devices()
         self.comm.check_same_everywhere(

@@ -50,7 +50,7 @@ from hf_acco.engine.buffers import (
     check_grad_dtype,
     comm_allocation,
     packed_bytes,
-    packed_round_saves,
+    packs_round,
     shard_grad_room,
 )
 from hf_acco.engine.optim import estimate_window
@@ -136,13 +136,10 @@ def engine_memory(
     room = shard_grad_room(grad_dtype if comm is None else comm, comm_dtype, world_size, layout.chunk)
     change_bits = check_gather_dtype(gather_dtype)
     nodes, per_node = machines(layout.world_size, ranks_per_node)
-    if (
-        packed is None
-    ):  # the round's buffer as int8 rows: the engine's rule (core._build_buffers, buffers.packed_round)
-        packed = bool(
-            quantized and change_bits and not error_feedback and schedule != "sync" and world_size > 1
-            and not (nodes > 1 and per_node > 1) and packed_round_saves(layout, param_dtype, comm_dtype, grad_dtype)
-        )  # fmt: skip
+    if packed is None:  # the round's buffer as int8 rows: the engine's rule
+        packed = packs_round(layout, param_dtype, comm_dtype, grad_dtype, int8_grads=quantized,
+                             change_bits=change_bits, error_feedback=error_feedback, separate=schedule != "sync",
+                             one_level=not (nodes > 1 and per_node > 1), wired=world_size > 1)  # fmt: skip
     if packed:
         room = None
     persistent = {
