@@ -1,4 +1,4 @@
-"""Slower and faster ranks under ACCOTrainer: Trainer+DDP, ACCOTrainer fixed and ACCOTrainer dynamic, side by side.
+"""Slower and faster ranks under ACCOTrainer: Trainer+DDP, ACCOTrainer fixed and ACCOTrainer paced, side by side.
 
 Each run is ``accelerate launch`` of tests/scripts/trainer_script.py (a script written for transformers.Trainer;
 ``--acco`` swaps the two class names) on 2 CPU ranks, with per-rank work before every training micro-batch:
@@ -29,7 +29,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "trainer_script.py"
 MODES = {
     "Trainer + DDP": ([], {}),
     'ACCOTrainer, acco_accumulation="fixed"': (["--acco"], {}),
-    'ACCOTrainer, acco_accumulation="dynamic"': (["--acco"], {"acco_accumulation": "dynamic"}),
+    'ACCOTrainer, acco_accumulation="paced"': (["--acco"], {"acco_accumulation": "paced"}),
 }
 SEQ = 16  # the script's sequence length
 

@@ -1,14 +1,15 @@
-"""Convergence with a slower rank: Trainer+DDP, ACCOTrainer fixed and ACCOTrainer dynamic on the pre-training
+"""Convergence with a slower rank: Trainer+DDP, ACCOTrainer fixed and ACCOTrainer paced on the pre-training
 recipe, against tokens and against seconds of training (resumable).
 
     python recipes/heterogeneous_study.py       # rank 1 sleeps 0.6 s per micro-batch (its compute: about 0.6 s)
     python recipes/heterogeneous_study.py --slow_rank_delay 0.3 --max_steps 50 --output_dir outputs/hetero
+    python recipes/heterogeneous_study.py --from_json recipes/results/heterogeneous/heterogeneous.json  # re-render
 
 Each run is `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/pretrain_clm.py` with the
 same model, initialisation and settings, rank 1 made slower by a sleep before each training micro-batch
 (``--slow_rank_delay``: choose it near one micro-batch's compute time for a rank half as fast). Every method trains
 the same global batch per step (2 ranks x gradient_accumulation_steps micro-batches): DDP and fixed mode split it
-evenly, dynamic mode by speed. A finished run (its metrics.json) is not run again. Writes heterogeneous.json,
+evenly, paced accumulation by speed. A finished run (its metrics.json) is not run again. Writes heterogeneous.json,
 table.md (final validation loss, training seconds, time to the validation loss every method reached) and
 loss_curves.png (validation loss per token and per second of training).
 """
@@ -26,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = {  # name -> pretrain_clm.py arguments
     "ddp": ["--method", "ddp"],
     "acco fixed": ["--method", "acco"],
-    "acco dynamic": ["--method", "acco", "--acco_accumulation", "dynamic"],
+    "acco paced": ["--method", "acco", "--acco_accumulation", "paced"],
 }
+OLD_NAMES = {"acco dynamic": "acco paced"}  # in result files written before paced had its one name
 
 
 def run(method: str, args: argparse.Namespace) -> dict:
@@ -107,15 +109,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval_steps", type=int, default=10)
     parser.add_argument("--accelerate_config", default=str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"))
     parser.add_argument("--output_dir", default=str(ROOT / "recipes" / "results" / "heterogeneous"))
+    parser.add_argument(
+        "--from_json",
+        default=None,
+        help="summarise and plot the runs of this heterogeneous.json again (into --output_dir) instead of running",
+    )
     parser.add_argument("extra", nargs="*", help="more pretrain_clm.py arguments (after --)")
     args = parser.parse_args(argv)
     if "ddp" not in args.methods:
         parser.error("--methods needs ddp: every method is compared with it")
-    runs = [run(m, args) for m in args.methods]
+    if args.from_json:
+        measured = json.loads(Path(args.from_json).read_text())
+        command, runs = measured["command"], measured["runs"]
+        for r in runs:
+            r["method"] = OLD_NAMES.get(r["method"], r["method"])
+    else:
+        command, runs = " ".join(sys.argv), [run(m, args) for m in args.methods]
     out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     table, summary = summarise(runs)
     keep = ("method", "seed", "steps", "tokens", "eval_steps", "val_losses", "train_seconds", "slow_rank_delay")
-    payload = {"command": " ".join(sys.argv), "runs": [{k: r.get(k) for k in keep} for r in runs], "summary": summary}
+    payload = {"command": command, "runs": [{k: r.get(k) for k in keep} for r in runs], "summary": summary}
+    if args.from_json:
+        payload["analysed_with"] = " ".join(sys.argv)
     (out / "heterogeneous.json").write_text(json.dumps(payload, indent=2))
     (out / "table.md").write_text(table)
     plot(runs, out / "loss_curves.png")

@@ -164,7 +164,7 @@ def test_the_benchmark_command_on_host_loopback(tmp_path):
     assert "no shaped link (--no_netns given)" in done.stdout
     payload = json.loads((out / "benchmark.json").read_text())
     assert {(r["method"], r["accumulation"]) for r in payload["runs"]} == {
-        ("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")}  # fmt: skip
+        ("acco", "fixed"), ("acco", "paced"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")}  # fmt: skip
     required = ("method", "accumulation", "link_mbit", "slow_factor", "step_time_s", "t_compute_s", "t_comm_s",
                 "exposed_comm_s", "overlap_efficiency", "tokens_per_s", "time_to_target_s",
                 "peak_mem_bytes")  # fmt: skip
@@ -196,7 +196,7 @@ def test_the_benchmarks_int8_rows_send_int8_gradients_and_parameter_changes(tmp_
 @pytest.mark.slow  # (the default suite's 10-minute budget; `make test-slow`)
 def test_the_benchmark_command_with_3_ranks_and_emulated_compute(tmp_path):
     """3 ranks (odd: the shards pad), GPU-like compute: every micro-batch takes at least the stated 40 ms and the
-    ballast's 30,000 elements are communicated; the rows say emulated."""
+    ballast's 30,000 elements are communicated; the rows say emulated; acco:dynamic is taken as paced's old name."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "hf_acco.bench", "--no_netns", "--world_size", "3", "--repeats", "1", "--steps",
            "4", "--hidden", "32", "--layers", "2", "--heads", "1", "--seq", "16", "--batch", "2",
@@ -206,13 +206,13 @@ def test_the_benchmark_command_with_3_ranks_and_emulated_compute(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     payload = json.loads((out / "benchmark.json").read_text())
     assert {(r["method"], r["accumulation"]) for r in payload["runs"]} == {
-        ("acco", "fixed"), ("acco", "dynamic"), ("ddp", "fixed")}  # fmt: skip
+        ("acco", "fixed"), ("acco", "paced"), ("ddp", "fixed")}  # fmt: skip
     for r in payload["runs"]:
         assert r["emulated"] is True and r["world_size"] == 3
         assert r["t_compute_s"] >= 4 * 0.04  # 4 micro-batches per step, each at least the stated time
         assert r["comm_alone"]["numel"] > 30000
-    dynamic = next(r for r in payload["runs"] if r["accumulation"] == "dynamic")
-    assert sum(dynamic["micro_batches_per_step"][0]) == pytest.approx(3 * 4)  # the global batch, shared by 3
+    paced = next(r for r in payload["runs"] if r["accumulation"] == "paced")
+    assert sum(paced["micro_batches_per_step"][0]) == pytest.approx(3 * 4)  # the global batch, shared by 3
     assert (out / "table.md").read_text().count("loopback, 3 ranks (emulated)") == 3
 
 
@@ -363,7 +363,7 @@ def test_the_scaling_benchmark_at_2_and_3_ranks(tmp_path):
     assert payload["emulated"] is True
     runs = payload["runs"]
     assert {(r["world_size"], r["method"], r["accumulation"]) for r in runs if r["setting"].startswith("scaling")} == {
-        (p, m, a) for p in (2, 3) for m, a in (("acco", "fixed"), ("acco", "dynamic"), ("sync", "fixed"),
+        (p, m, a) for p in (2, 3) for m, a in (("acco", "fixed"), ("acco", "paced"), ("sync", "fixed"),
                                                ("ddp", "fixed"))}  # fmt: skip
     for r in runs:
         assert r["emulated"] is True and r["step_time_s"] > 0 and r["predicted_step_time_s"] > 0

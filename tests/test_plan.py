@@ -277,7 +277,7 @@ def test_the_multinode_benchmark_predicts_each_run_from_its_nodes(tmp_path):
     one_per_node = plan.predict("sync", "fixed", plan.Job(4e6, [0.3], 4), flat(4, 0.2), C0)["step_s"]
     assert one_per_node == pytest.approx(4 * 0.3 + wire * 2 * 3 / 4)  # the scaling benchmark's bridge
     table = multinode.table(runs)
-    assert table.count("| 2 x 2 (emulated) |") == 4 and "acco dynamic" in table
+    assert table.count("| 2 x 2 (emulated) |") == 4 and "acco paced" in table
     (tmp_path / "in.json").write_text(json.dumps({"command": "x", "runs": runs}))
     again = multinode.main(["--from_json", str(tmp_path / "in.json"), "--out", str(tmp_path / "out")])
     assert all(r["predicted_step_time_s"] > 0 for r in again["runs"]) and (tmp_path / "out" / "table.md").exists()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hf_acco.tools import results_docs
+from hf_acco.tools.bench.report import PACED_NAMES, method_label
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "recipes" / "results"
@@ -67,9 +68,11 @@ def _to_target(run: dict | None, ddp: dict) -> str:
 
 
 def _by_setting(runs: list[dict]):
-    """Each setting of a benchmark's runs, in order, with its runs by (method, accumulation)."""
+    """Each setting of a benchmark's runs, in order, with its runs by (method, accumulation), paced runs under
+    "paced" whatever name their file gives them."""
+    accumulation = lambda r: "paced" if r["accumulation"] in PACED_NAMES else r["accumulation"]  # noqa: E731
     for setting in dict.fromkeys(r["setting"] for r in runs):
-        yield setting, {(r["method"], r["accumulation"]): r for r in runs if r["setting"] == setting}
+        yield setting, {(r["method"], accumulation(r)): r for r in runs if r["setting"] == setting}
 
 
 def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
@@ -77,7 +80,7 @@ def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
     runs = _load(path)["runs"]
     rows = [
         "| setting | link | comm / compute | acco / sync | acco / DDP | acco overlap efficiency "
-        "| compute of a step (s) | acco's compute in run / alone | time to target / DDP: acco fixed, acco dynamic |",
+        "| compute of a step (s) | acco's compute in run / alone | time to target / DDP: acco fixed, acco paced |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for setting, by in _by_setting(runs):
@@ -89,12 +92,12 @@ def benchmark_table(path: str = "benchmark/benchmark.json") -> str:
         shaped = acco["link_mbit"] is not None and acco["overlap_efficiency"] is not None
         eff = f"{acco['overlap_efficiency']:.2f}" if shaped else "-"
 
-        dynamic = by.get(("acco", "dynamic"))
+        paced = by.get(("acco", "paced"))
         rows.append(
             f"| {setting} | {link} | {acco['comm_over_compute_measured']:.2f} | "
             f"{acco['step_time_s'] / sync['step_time_s']:.2f} | {acco['step_time_s'] / ddp['step_time_s']:.2f} "
             f"| {eff} | {acco['t_compute_s']:.3f} | {acco['compute_slowdown']:.2f} "
-            f"| {_to_target(acco, ddp)}, {_to_target(dynamic, ddp)} |"
+            f"| {_to_target(acco, ddp)}, {_to_target(paced, ddp)} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -111,7 +114,7 @@ def methods_table(*paths: str, baseline: str = "ddp") -> str:
         runs = [r for r in _load(path)["runs"] if r["setting"] != "loopback"]
         for r in runs:
             ddp = next(d for d in runs if d["setting"] == r["setting"] and d["method"] == baseline)
-            name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
+            name = method_label(r["method"], r["accumulation"])
             rows.append(
                 f"| {r['setting']} ({r['link_mbit']:.0f} Mbit/s) | {name} | {r['step_time_s']:.3f} | "
                 f"{r['step_time_s'] / ddp['step_time_s']:.2f} | {r['bytes_per_step'] / 1e6:.1f} | "
@@ -123,9 +126,9 @@ def methods_table(*paths: str, baseline: str = "ddp") -> str:
 def scaling_table() -> str:
     """``python -m hf_acco.tools.bench.scaling``: measured median step and the planner's prediction per method."""
     runs = [r for r in _load("scaling/benchmark.json")["runs"] if not r["setting"].startswith("check")]
-    names = [("acco", "fixed"), ("acco", "dynamic"), ("sync", "fixed"), ("ddp", "fixed")]
+    names = [("acco", "fixed"), ("acco", "paced"), ("sync", "fixed"), ("ddp", "fixed")]
     rows = [
-        "| ranks (emulated) | round alone (s) | acco fixed: step / predicted | acco dynamic | sync (ZeRO-1) | DDP "
+        "| ranks (emulated) | round alone (s) | acco fixed: step / predicted | acco paced | sync (ZeRO-1) | DDP "
         "| acco fixed / sync |",
         "|---|---:|---|---|---|---|---:|",
     ]

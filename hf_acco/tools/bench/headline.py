@@ -1,4 +1,4 @@
-"""Benchmark: ACCO (fixed, dynamic), DPU, ZeRO-1 (sync) and DDP as Trainer runs it, side by side, on a real,
+"""Benchmark: ACCO (fixed, paced), DPU, ZeRO-1 (sync) and DDP as Trainer runs it, side by side, on a real,
 rate-limited link between 2 ranks (``--world_size``: more, joined by a bridge), with and without a slow rank.
 
     python -m hf_acco.bench                               # the full run (about 20 min on 2 CPU cores)
@@ -12,7 +12,7 @@ for each ``--ratios``; then one rank is slowed ``--slow_factor`` x at ``--slow_r
 methods run interleaved, ``--repeats`` times, through the same training loop (``worker.py``) on a small Llama
 built from a config, learning real text (``../shared/data/text`` when present, else generated).
 
-``acco`` dynamic runs ACCOTrainer's dynamic path (claims.py + pacing.py): the same global batch of 2 x
+``acco`` paced runs ACCOTrainer's paced accumulation (claims.py + pacer.py): the same global batch of 2 x
 ``--micro_batches`` micro-batches per step as every other method, each rank computing as many of them as its speed
 allows (the slow rank fewer).
 
@@ -42,6 +42,7 @@ from typing import Any
 from hf_acco.comm import quant
 from hf_acco.tools.bench import report
 from hf_acco.tools.bench.link import MTU, Link, unavailable
+from hf_acco.tools.bench.report import method_label, paced_name
 from hf_acco.tools.multiprocess import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -49,12 +50,12 @@ DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "text" / "tinystories_validatio
 # bytes on the shaped veth per byte counted on loopback: TCP/IPv4 with timestamps in 9014-byte Ethernet frames
 # (MTU 9000) carries 8948 bytes of payload (loopback's 64 KiB MTU adds almost nothing); tbf counts whole frames
 FRAMING = (MTU + 14) / (MTU - 52)
-METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")]
+METHODS = [("acco", "fixed"), ("acco", "paced"), ("dpu", "fixed"), ("sync", "fixed"), ("ddp", "fixed")]
 # not run by default: gradients in bf16 on the wire (ACCO's comm_dtype, DDP's bf16_compress_hook)
-BF16_METHODS = [("acco-bf16", "fixed"), ("acco-bf16", "dynamic"), ("sync-bf16", "fixed"), ("ddp-bf16", "fixed")]
+BF16_METHODS = [("acco-bf16", "fixed"), ("acco-bf16", "paced"), ("sync-bf16", "fixed"), ("ddp-bf16", "fixed")]
 # not run by default: int8 gradients and parameter changes on the wire (ACCO's comm_dtype and gather_dtype "int8";
 # DDP has no such hook); acco-int8-int4: int8 gradients, int4 parameter changes
-INT8_METHODS = [("acco-int8", "fixed"), ("acco-int8", "dynamic"), ("sync-int8", "fixed"), ("acco-int8-int4", "fixed")]
+INT8_METHODS = [("acco-int8", "fixed"), ("acco-int8", "paced"), ("sync-int8", "fixed"), ("acco-int8-int4", "fixed")]
 WIRE_BYTES = {
     "fp32": 4,
     "bf16": 2,
@@ -70,7 +71,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="one round's wire time over one step's compute, one shaped setting each")  # fmt: skip
     p.add_argument("--slow_factor", type=float, default=2.0, help="the slow rank's compute time factor (1: none)")
     p.add_argument("--slow_ratio", type=float, default=1.0, help="communication/compute ratio of the slow setting")
-    p.add_argument("--methods", nargs="+", default=[f"{m}:{a}" for m, a in METHODS],
+    p.add_argument("--methods", nargs="+", default=[f"{m}:{a}" for m, a in METHODS], type=paced_name,
                    choices=[f"{m}:{a}" for m, a in METHODS + BF16_METHODS + INT8_METHODS])  # fmt: skip
     p.add_argument(
         "--param_dtype",
@@ -192,7 +193,7 @@ def plot(runs: list[dict], path_loss: Path, path_steps: Path) -> None:
     fig, axes = plt.subplots(len(shown), 2, figsize=(12, 4 * len(shown)), squeeze=False)
     for row, setting in zip(axes, shown):
         for r in (r for r in runs if r["setting"] == setting):
-            name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
+            name = method_label(r["method"], r["accumulation"])
             curve = r["loss_curve"]
             row[0].plot([c[0] for c in curve], [c[2] for c in curve], label=name)
             row[1].plot([c[1] for c in curve], [c[2] for c in curve], label=name)
@@ -212,7 +213,7 @@ def plot(runs: list[dict], path_loss: Path, path_steps: Path) -> None:
     shaped = [r for r in runs if r["link_mbit"] is not None and r["slow_factor"] == 1]
     for key in dict.fromkeys((r["method"], r["accumulation"]) for r in shaped):
         rs = sorted((r for r in shaped if (r["method"], r["accumulation"]) == key), key=lambda r: r["link_mbit"])
-        name = key[0] + (" dynamic" if key[1] == "dynamic" else "")
+        name = method_label(*key)
         ax.plot([r["link_mbit"] for r in rs], [r["step_time_s"] for r in rs], marker="o", label=name)
     compute = [r["t_compute_s"] for r in shaped if r["method"] == "sync"]
     if compute:

@@ -13,7 +13,7 @@ is labelled emulated.
 
 For each ``--nodes`` (each node with ``--ranks_per_node`` ranks) the micro-batch time is set so that one round
 measured alone (the gradients' reduce-scatter and the parameters' all-gather) is ``--ratio`` x a step's compute.
-Methods: DDP as Trainer runs it, sync (ZeRO-1), acco fixed and acco dynamic, interleaved, ``--repeats`` times.
+Methods: DDP as Trainer runs it, sync (ZeRO-1), acco fixed and acco paced, interleaved, ``--repeats`` times.
 
 Each run's median step time has the planner's prediction beside it (``predicted_step_time_s``): ``plan.predict``
 with the committed constants (``plan.FITTED``, fitted on the one-level scaling benchmark: nothing here is fitted
@@ -41,8 +41,9 @@ from typing import Any
 from hf_acco.tools import plan
 from hf_acco.tools.bench import scaling
 from hf_acco.tools.bench.link import unavailable
+from hf_acco.tools.bench.report import method_label
 
-METHODS = [("ddp", "fixed"), ("sync", "fixed"), ("acco", "fixed"), ("acco", "dynamic")]
+METHODS = [("ddp", "fixed"), ("sync", "fixed"), ("acco", "fixed"), ("acco", "paced")]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -77,8 +78,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     ]
     for r in runs:
         same = [s for s in runs if s["setting"] == r["setting"]]
-        by = {s["method"] + (" dynamic" if s["accumulation"] == "dynamic" else ""): s["step_time_s"] for s in same}
-        name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
+        by = {method_label(s["method"], s["accumulation"]): s["step_time_s"] for s in same}
+        name = method_label(r["method"], r["accumulation"])
         err = r["predicted_step_time_s"] / r["step_time_s"] - 1
         lines.append(
             f"| {r['nodes']} x {r['ranks_per_node']} (emulated) | {name} | {max(r['t_micro_s']):.3f} | "

@@ -30,6 +30,19 @@ from collections.abc import Sequence
 from typing import Any
 
 WARMUP_STEPS = 2  # steps left out of medians: start-up (first rounds, allocator, caches)
+# ACCOTrainer's paced accumulation (the Pacer): its runs are "paced"; result files written before the name was
+# settled call them "dynamic" (the engine's own dynamic mode is not benchmarked)
+PACED_NAMES = ("paced", "dynamic")
+
+
+def method_label(method: str, accumulation: str) -> str:
+    """A run's name in tables and plots: its method, with "paced" for paced accumulation."""
+    return method + (" paced" if accumulation in PACED_NAMES else "")
+
+
+def paced_name(method: str) -> str:
+    """An argparse ``type`` for ``method:accumulation``: the old name ``:dynamic`` taken as ``:paced``."""
+    return method[: -len(":dynamic")] + ":paced" if method.endswith(":dynamic") else method
 
 
 def step_intervals(step_ends: Sequence[float], skip: int = WARMUP_STEPS) -> list[float]:
@@ -239,7 +252,7 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
                 return "-"
             return f"{r[key] / other[key]:.2f}"
 
-        name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
+        name = method_label(r["method"], r["accumulation"])
         link = "loopback" if r["link_mbit"] is None else f"{r['link_mbit']:.0f}"
         if r.get("world_size", 2) != 2:
             link += f", {r['world_size']} ranks"

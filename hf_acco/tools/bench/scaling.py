@@ -13,7 +13,7 @@ emulated.
 
 The scaling series (``--world_sizes``): the micro-batch time is set, at each world size, so that one round
 measured alone (reduce-scatter + all-gather of the gradients) is ``--ratio`` x a step's compute. Methods: acco
-fixed, acco dynamic, sync (ZeRO-1) and DDP as Trainer runs it, interleaved, ``--repeats`` times each.
+fixed, acco paced, sync (ZeRO-1) and DDP as Trainer runs it, interleaved, ``--repeats`` times each.
 
 The slow setting (``--slow WORLD_SIZE:FACTOR``): rank 1's micro-batch ``FACTOR`` x the others' (the same
 methods; the planner predicts it from the fit, it is not fitted on).
@@ -47,8 +47,9 @@ from hf_acco.tools import plan
 from hf_acco.tools.bench import report
 from hf_acco.tools.bench.headline import DEFAULT_TEXT, run_setting
 from hf_acco.tools.bench.link import Link, unavailable
+from hf_acco.tools.bench.report import method_label
 
-METHODS = [("acco", "fixed"), ("acco", "dynamic"), ("sync", "fixed"), ("ddp", "fixed")]
+METHODS = [("acco", "fixed"), ("acco", "paced"), ("sync", "fixed"), ("ddp", "fixed")]
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -212,7 +213,7 @@ def table(runs: list[dict[str, Any]], check: dict[str, Any] | None) -> str:
     for r in runs:
         sync = next((s for s in runs if s["setting"] == r["setting"] and s["method"] == "sync"
                      and s["micro_batches"] == r["micro_batches"]), None)  # fmt: skip
-        name = r["method"] + (" dynamic" if r["accumulation"] == "dynamic" else "")
+        name = method_label(r["method"], r["accumulation"])
         err = r["predicted_step_time_s"] / r["step_time_s"] - 1
         over_sync = f"{r['step_time_s'] / sync['step_time_s']:.2f}" if sync else "-"
         lines.append(f"| {r['setting']} (emulated) | {r['world_size']} | {name} | {r['micro_batches']} | "
@@ -236,7 +237,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, key in enumerate(dict.fromkeys((r["method"], r["accumulation"]) for r in series)):
         rs = sorted((r for r in series if (r["method"], r["accumulation"]) == key), key=lambda r: r["world_size"])
-        name = key[0] + (" dynamic" if key[1] == "dynamic" else "")
+        name = method_label(*key)
         colour = f"C{i}"
         ax.plot([r["world_size"] for r in rs], [r["step_time_s"] for r in rs], marker="o", color=colour,
                 label=f"{name} measured")  # fmt: skip
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.check != "none":
             p, ratio = args.check.split(":")
             # every setting the planner may choose from: micro-batches per step x the methods (all ranks are
-            # equally fast here, so the planner leaves dynamic out: it can only match fixed)
+            # equally fast here, so the planner leaves paced out: it can only match fixed)
             candidates = [(m, a, k) for k in args.check_micro_batches for m, a in METHODS if a == "fixed"]
             label = f"check_ws{p}_ratio{ratio}"
             groups["check"] = measure(args, label, int(p), float(ratio), candidates, Path(tmp))

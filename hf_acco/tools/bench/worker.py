@@ -31,7 +31,7 @@ from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
 from hf_acco.pacing.pacer import Pacer
 from hf_acco.tools.bench import fsdp_runs
 from hf_acco.tools.bench.link import Traffic
-from hf_acco.tools.bench.report import gather_of, method_parts
+from hf_acco.tools.bench.report import PACED_NAMES, gather_of, method_parts
 from hf_acco.tools.collectives import one_collective
 
 MAX_GRAD_NORM = 1.0  # Trainer's default, applied by every method
@@ -288,7 +288,7 @@ def train_run(
         per_step.append(int(opt.last_step_stats["micro_batches"]))
 
     pacer = paced_data(tokens, spec, dist.get_world_size() * k) if ddp is None and paced else None
-    while pacer is not None and len(step_ends) < steps:  # dynamic: this rank's micro-batches of each step
+    while pacer is not None and len(step_ends) < steps:  # paced: this rank's micro-batches of each step
         for ids in pacer.step_batches(opt):
             slow()
             acco_micro_batch(model, opt, ids, time.perf_counter())
@@ -362,7 +362,7 @@ def build_method(
     run: dict[str, Any], spec: dict[str, Any], model: torch.nn.Module, k: int
 ) -> tuple[torch.nn.parallel.DistributedDataParallel | None, Any, bool]:
     """(DDP wrapper or None, optimizer, paced) for the run's method: DDP as Trainer runs it (no_sync while
-    accumulating, all-reduce in the last backward) or an ACCOOptimizer; dynamic runs take ACCOTrainer's path (the
+    accumulating, all-reduce in the last backward) or an ACCOOptimizer; paced runs take ACCOTrainer's path (the
     same global batch of 2 x k micro-batches, each rank at its own pace)."""
     method, wire = method_parts(run["method"])
     if method in fsdp_runs.METHODS:  # FSDP2 inside each node: HSDP, or ACCO's rounds across nodes
@@ -372,7 +372,7 @@ def build_method(
         if wire == "bf16":  # the matching choice for a bf16 wire: DDP's compression hook
             ddp.register_comm_hook(None, bf16_wire_hook)
         return ddp, torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0), False
-    paced = run["accumulation"] == "dynamic"
+    paced = run["accumulation"] in PACED_NAMES
     opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation="paced" if paced else "fixed",
                         micro_batches=k, max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
                         comm_dtype=wire, gather_dtype=gather_of(run["method"]),
