@@ -27,6 +27,16 @@ def test_the_private_trainer_attributes_the_glue_reads_are_set_by_trainer():
         assert f"self.{name}" in source, f"transformers' Trainer no longer sets {name}"
 
 
+def test_accelerate_returns_a_prepared_model_as_it_is():
+    """ACCOTrainer's _wrap_model prepares the model without DDP (``prepare_model(..., evaluation_mode=True)``); Trainer
+    then passes it to ``accelerator.prepare``, which must return a prepared model as it is (accelerate >= 1.14): an
+    older one wraps it in DDP, whose all-reduce then runs beside ACCO's rounds (tests/test_trainer_weights.py sees
+    the DDP wrapper at run time)."""
+    from accelerate import Accelerator
+
+    assert "_is_accelerate_prepared" in inspect.getsource(Accelerator.prepare_model)
+
+
 def test_every_acco_default_is_declared_once_on_its_field():
     """No reader of an ``acco_*`` setting repeats its default (``getattr(args, "acco_x", default)``): they all ask
     ``config.acco_setting``, which reads the field's declaration."""
@@ -53,11 +63,20 @@ def test_every_acco_default_is_declared_once_on_its_field():
         assert acco_setting(plain, f.name) == f.default
 
 
-def test_paced_is_the_accumulation_dynamic_is_its_alias(tmp_path):
+def test_paced_is_the_accumulation_dynamic_its_old_name_with_a_warning(tmp_path):
+    import warnings
+
+    import pytest
+
     from hf_acco import ACCOConfig
     from hf_acco.integrations.config import engine_accumulation
 
-    for value in ("paced", "dynamic"):
-        args = ACCOConfig(output_dir=str(tmp_path), use_cpu=True, acco_accumulation=value)
-        assert engine_accumulation(args) == "paced" and not args.average_tokens_across_devices
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        args = ACCOConfig(output_dir=str(tmp_path), use_cpu=True, acco_accumulation="paced")
+    assert not [w for w in seen if "old name" in str(w.message)]
+    assert engine_accumulation(args) == "paced" and not args.average_tokens_across_devices
+    with pytest.warns(FutureWarning, match="old name of acco_accumulation='paced'"):
+        args = ACCOConfig(output_dir=str(tmp_path), use_cpu=True, acco_accumulation="dynamic")
+    assert engine_accumulation(args) == "paced" and not args.average_tokens_across_devices
     assert engine_accumulation(ACCOConfig(output_dir=str(tmp_path), use_cpu=True)) == "fixed"

@@ -6,6 +6,7 @@ without resetting its defaults; ``ACCOConfig`` is the mixin plus TrainingArgumen
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -110,10 +111,10 @@ class ACCOConfigMixin(_ArgsBase):
         default="fixed",
         metadata={
             "help": (
-                "fixed: gradient_accumulation_steps micro-batches per step on every rank (reproducible). paced "
-                "(alias: dynamic): for GPUs of unequal speed: a global batch of world_size x "
-                "gradient_accumulation_steps micro-batches per step, each rank computing as many of them as its "
-                "speed allows (every sample once per epoch)."
+                "fixed: gradient_accumulation_steps micro-batches per step on every rank (reproducible). paced: "
+                "for GPUs of unequal speed: a global batch of world_size x gradient_accumulation_steps micro-batches "
+                "per step, each rank computing as many of them as its speed allows (every sample once per epoch); "
+                "'dynamic', its old name, is taken with a warning."
             ),
             "choices": [*TRAINER_ACCUMULATIONS],
         },
@@ -236,6 +237,14 @@ class ACCOConfigMixin(_ArgsBase):
         for name in REMOVED_SETTINGS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: {self.__dataclass_fields__[name].metadata['help']}")
+        if self.acco_accumulation == "dynamic":
+            warnings.warn(
+                "acco_accumulation='dynamic' is the old name of acco_accumulation='paced', the same mode: use 'paced' "
+                "('dynamic' will be refused in a later release; the engine's own dynamic mode, accumulation='dynamic' "
+                "in prepare_acco or ACCOOptimizer, is another one).",
+                FutureWarning,
+                stacklevel=3,
+            )
         if engine_accumulation(self) == "paced" and self.average_tokens_across_devices:
             # Trainer would all-gather token counts every step, holding fast ranks back to the slowest; ACCOTrainer
             # undoes the per-rank normalisation exactly instead (see ACCOTrainer._micro_batch_weight).

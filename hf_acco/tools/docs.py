@@ -364,6 +364,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "beside-landing": lambda: results_docs.beside_table("landing_2026-12-03", ("691166d", "cdb2a70")),
     "lifecycle": lifecycle_table,
     "gpu-status": results_docs.gpu_status,
+    "tested-versions": results_docs.tested_versions,
     "gpu-check": results_docs.gpu_check_table,
     "engine-traffic": results_docs.traffic_table,
     "hsdp-memory": results_docs.hsdp_memory_table,

@@ -1,6 +1,7 @@
 """Results rendered for README.md and docs/benchmarks.md by ``python -m hf_acco.tools.docs``: `make gpu-check`'s
 (benchmarks/results/gpu_check_<gpu>.json and the GPU tier's gpu_tests_<gpu>.xml) and the engine's memory traffic
-(``benchmarks/engine_traffic.py``, recipes/results/engine/traffic/)."""
+(``benchmarks/engine_traffic.py``, recipes/results/engine/traffic/), the versions `make test-range` ran the suite on
+(benchmarks/results/test_range/)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,24 @@ def gpu_status(gpu: str = "nvidia_h200") -> str:
         f"(`sync`) `Trainer`'s pure-bf16 step ({base['step_s']:.3f} s), the final loss within {100 * gap:.2f} % of "
         f"`Trainer`'s; the memory held at a step "
         f"end was within {100 * v['acco_acco_memory']['gap']:.1f} % of `python -m hf_acco.memory`'s figure.\n"
+    )
+
+
+def tested_versions() -> str:
+    """The README's "Tested with" line: the oldest and the newest transformers / accelerate pair `make test-range`
+    ran the default suite on (benchmarks/results/test_range/<pair>.json), and how it went."""
+    runs = {p: json.loads((GPU_RESULTS / "test_range" / f"{p}.json").read_text()) for p in ("oldest", "newest")}
+
+    def outcome(r: dict) -> str:
+        v = r["versions"]
+        went = f"{r['passed']} passed" + (f", {r['failed']} FAILED" if r["failed"] or r["pytest_exit_status"] else "")
+        return f"transformers {v['transformers']} with accelerate {v['accelerate']} ({went}, {r['date']})"
+
+    old, new = (runs[p]["versions"] for p in ("oldest", "newest"))
+    return (
+        f"Tested with transformers {old['transformers']} to {new['transformers']} and accelerate "
+        f"{old['accelerate']} to {new['accelerate']}: the test suite on the oldest pair, {outcome(runs['oldest'])}, "
+        f"and on the newest, {outcome(runs['newest'])}.\n"
     )
 
 

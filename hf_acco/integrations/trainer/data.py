@@ -37,9 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 def pacer_of(trainer: ACCOTrainerMixin) -> Pacer:
-    """The trainer's pacer, which dynamic mode's ``get_train_dataloader`` builds."""
+    """The trainer's pacer, which paced accumulation's ``get_train_dataloader`` builds."""
     if trainer._pacer is None:
-        raise RuntimeError("ACCOTrainer builds its pacer with the train dataloader (dynamic mode): there is none yet.")
+        raise RuntimeError(
+            "ACCOTrainer builds its pacer with the train dataloader (paced accumulation): there is none yet."
+        )
     return trainer._pacer
 
 

@@ -70,8 +70,8 @@ from typing import Any
 
 METHODS = (("ddp", "fixed"), ("sync", "fixed"), ("acco", "fixed"), ("acco", "paced"))
 # paced (Trainer's acco_accumulation="paced": the ranks claim a global batch's micro-batches as they are free) is what
-# the planner models for GPUs of unequal speed; "dynamic" is taken for it too (Trainer's old name; the benchmarks'
-# runs of the engine's own dynamic mode are compared with it, the nearest model)
+# the planner models for GPUs of unequal speed; "dynamic" is taken for it too (Trainer's old name for paced, and the
+# name older benchmark result files give their paced runs)
 PACED = ("paced", "dynamic")
 NAMES = {("ddp", "fixed"): "DDP (Trainer)", ("sync", "fixed"): "ZeRO-1", ("acco", "fixed"): "ACCO fixed",
          ("acco", "paced"): "ACCO paced"}  # fmt: skip
