@@ -101,8 +101,10 @@ def test_an_unknown_wire_dtype_is_refused() -> None:
     from hf_acco.engine.buffers import parse_comm_dtype
 
     assert parse_comm_dtype("bf16") is torch.bfloat16 and parse_comm_dtype(torch.float32) is torch.float32
-    with pytest.raises(ValueError, match="comm_dtype must be 'auto', 'fp32' or 'bf16', got 'fp8'"):
-        parse_comm_dtype("fp8")
+    with pytest.raises(ValueError, match="comm_dtype must be one of 'auto', 'fp32' or 'bf16', got 'fp8'"):
+        parse_comm_dtype("fp8", params=[torch.zeros(1)])
+    with pytest.raises(ValueError, match="grad_dtype must be one of 'fp32' or 'bf16', got 'auto'"):  # no "auto"
+        parse_comm_dtype("auto", "grad_dtype")
 
 
 def test_the_default_wire_is_the_models_dtype() -> None:

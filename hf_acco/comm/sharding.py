@@ -231,18 +231,6 @@ class FlatLayout:
                 "than this run. Use the same optimizer grouping as the run that wrote it."
             )
 
-    def check_params(self, params: Sequence[torch.Tensor]) -> None:
-        """Raise if the model's trainable parameters changed since the layout was built."""
-        if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
-            raise RuntimeError(
-                "The model's trainable parameters changed after the ACCO optimizer was built (new Parameter "
-                "objects: resize_token_embeddings, load_state_dict(assign=True), re-wrapping?). Build the "
-                "optimizer after the model is final."
-            )
-        for p, name, shape in zip(params, self.names, self.shapes):
-            if tuple(p.shape) != shape:
-                raise RuntimeError(f"Parameter {name} changed shape from {shape} to {tuple(p.shape)}.")
-
 
 def unshard(shards: Sequence[torch.Tensor], num_buckets: int, chunk: int, numel: int) -> torch.Tensor:
     """The unpadded flat vector from every rank's shard (rank order) of a layout with this geometry."""

@@ -52,7 +52,8 @@ def parse_comm_dtype(
         return COMM_DTYPES[value]
     if value == "auto" and params:  # fp16 has no loss scaling here: its gradients go in fp32
         return torch.bfloat16 if model_dtype(params) == torch.bfloat16 else torch.float32
-    raise ValueError(f"{what} must be 'auto', 'fp32' or 'bf16', got {value!r}")
+    accepted = "'auto', 'fp32' or 'bf16'" if params else "'fp32' or 'bf16'"
+    raise ValueError(f"{what} must be one of {accepted}, got {value!r}")
 
 
 def parse_wire(value: str | torch.dtype, params: Sequence[torch.Tensor]) -> tuple[torch.dtype, bool]:
