@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import subprocess
 import sys
@@ -85,6 +86,26 @@ def test_the_lock_pins_every_dependency_inside_the_tested_ranges() -> None:
         assert Version(locked[req.name.lower()]) in req.specifier, (req, locked[req.name.lower()])
     for package, (low, high) in TESTED.items():
         assert Version(low) <= Version(locked[package]) < Version(high), (package, locked[package])
+
+
+def test_the_oldest_release_setup_cfg_allows_is_the_oldest_the_suite_ran_on() -> None:
+    """setup.cfg's lower bounds for transformers and accelerate are TESTED's, and `make test-range` ran the suite on
+    that pair and passed (benchmarks/results/test_range/oldest.json, the README's "Tested with" line)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from hf_acco.integrations.versions import TESTED
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    required = {(r := Requirement(line)).name: r for line in config["options"]["install_requires"].split("\n") if line}
+    oldest = json.loads((ROOT / "benchmarks" / "results" / "test_range" / "oldest.json").read_text())
+    for package, (low, _) in TESTED.items():
+        floor = next(s.version for s in required[package].specifier if s.operator == ">=")
+        assert floor == low, (package, floor, low)
+        ran = Version(oldest["versions"][package])
+        assert ran.release[:2] == Version(low).release[:2], (package, ran)  # a release of the lowest minor allowed
+    assert oldest["failed"] == 0 and oldest["pytest_exit_status"] == 0 and oldest["passed"] > 400
 
 
 def test_an_untested_transformers_gives_one_warning_naming_the_tested_range(monkeypatch) -> None:

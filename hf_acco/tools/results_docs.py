@@ -61,11 +61,10 @@ def tested_versions() -> str:
         went = f"{r['passed']} passed" + (f", {r['failed']} FAILED" if r["failed"] or r["pytest_exit_status"] else "")
         return f"transformers {v['transformers']} with accelerate {v['accelerate']} ({went}, {r['date']})"
 
-    old, new = (runs[p]["versions"] for p in ("oldest", "newest"))
     return (
-        f"Tested with transformers {old['transformers']} to {new['transformers']} and accelerate "
-        f"{old['accelerate']} to {new['accelerate']}: the test suite on the oldest pair, {outcome(runs['oldest'])}, "
-        f"and on the newest, {outcome(runs['newest'])}.\n"
+        f"The test suite ran on the oldest transformers / accelerate pair this version allows, "
+        f"{outcome(runs['oldest'])}, and on the newest, {outcome(runs['newest'])}; releases between them are "
+        "inside the tested range.\n"
     )
 
 
