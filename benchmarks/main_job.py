@@ -1,10 +1,12 @@
 """Run the README's main job and record its result (``recipes/results/main_job/result.json``).
 
     python benchmarks/main_job.py [--out recipes/results/main_job]
+    python benchmarks/main_job.py --trl      # the same job through TRL's SFTTrainer: recipes/results/main_job_trl/
 
 Runs ``accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py`` exactly as
-the README gives it, then writes its ``metrics.json`` with the command and the machine beside it; the README's
-figures are rendered from that file (``python -m hf_acco.tools.docs``).
+the README gives it (``--trl``: with recipes/README.md's TRL flags), then writes its ``metrics.json`` with the command
+and the machine beside it; the README's and recipes/README.md's figures are rendered from those files
+(``python -m hf_acco.tools.docs``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py"
+TRL_FLAGS = "--trl --bf16 false --gradient_checkpointing false"  # (TRL's defaults turn both on)
 
 
 def processor() -> str:
@@ -30,19 +33,21 @@ def processor() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(ROOT / "recipes" / "results" / "main_job"))
+    parser.add_argument("--trl", action="store_true", help=f"the job through TRL's SFTTrainer ({TRL_FLAGS})")
+    parser.add_argument("--out", default=None, help="default: recipes/results/main_job (with --trl: main_job_trl)")
     args = parser.parse_args(argv)
+    command = f"{COMMAND} {TRL_FLAGS}" if args.trl else COMMAND
+    out = Path(args.out or ROOT / "recipes" / "results" / ("main_job_trl" if args.trl else "main_job"))
     written = ROOT / "outputs" / "alpaca_finetune" / "metrics.json"  # the recipe's default output directory
     written.unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *COMMAND.split()[2:]], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *command.split()[2:]], cwd=ROOT, check=True)
     metrics = json.loads(written.read_text())
     result = {
-        "command": COMMAND,
+        "command": command,
         "machine": f"{processor()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
         "metrics": metrics,
     }
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -223,9 +223,10 @@ def lifecycle_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def main_job() -> str:
-    """The main job's committed run (``recipes/results/main_job/result.json``, written by its command)."""
-    run = _load("main_job/result.json")
+def main_job(folder: str = "main_job") -> str:
+    """The main job's committed run (``recipes/results/main_job/result.json``, written by its command; main_job_trl:
+    the same job through TRL's SFTTrainer)."""
+    run = _load(f"{folder}/result.json")
     m = run["metrics"]
     return (
         f"Measured ({run['machine']}, `{run['command']}`): held-out exact match {m['exact_match_before']:.3f} -> "
@@ -345,6 +346,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "multinode": multinode_table,
     "memory": memory_table,
     "main-job": main_job,
+    "main-job-trl": lambda: main_job("main_job_trl"),
     "engine-bytes": engine_bytes,
     "round-cpu": round_cpu_table,
     "round-cpu-by-commit": round_cpu_by_commit,
@@ -381,7 +383,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
 
 
 def documents() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def render(text: str, where: str = "") -> str:
