@@ -9,8 +9,8 @@ Each is ``ACCOTrainerMixin`` (every ACCO override) in front of TRL's trainer, an
 
 TRL's ``compute_loss`` gathers its metrics (entropy, token accuracy, token counts, DPO's rewards) across ranks on
 every micro-batch. With fixed accumulation every rank computes the same number of micro-batches, so these gathers
-only add a meeting point per micro-batch; with dynamic accumulation ranks compute different numbers and a gather
-would wait for a peer that never reaches it, so dynamic accumulation is refused for these trainers.
+only add a meeting point per micro-batch; with paced accumulation ranks compute different numbers and a gather
+would wait for a peer that never reaches it, so paced accumulation is refused for these trainers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class _GathersPerMicroBatch(ACCOTrainerMixin):
         if engine_accumulation(self.args) == "paced":
             raise ValueError(
                 f"{type(self).__name__} cannot use acco_accumulation='paced': TRL's compute_loss gathers metrics "
-                "across ranks on every micro-batch, and with dynamic accumulation ranks compute different numbers "
+                "across ranks on every micro-batch, and with paced accumulation ranks compute different numbers "
                 "of micro-batches, so a rank would wait in a gather its peers never reach. Use "
                 "acco_accumulation='fixed'."
             )

@@ -6,7 +6,7 @@
   taken over) and reusing it across ``train()``;
 * ``weights.py``: each micro-batch's weight and gradient scale (undoing Trainer's loss normalisation), label
   tokens, the split of a window of one micro-batch;
-* ``data.py``: dynamic accumulation, claimed micro-batches through Trainer's data pipeline, slots, the position
+* ``data.py``: paced accumulation, claimed micro-batches through Trainer's data pipeline, slots, the position
   in the epoch;
 * ``checkpoints.py``: completeness per rank, the checkpoint all ranks resume from, shards and scheduler, the
   JIT agreement, per-node model files;

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
 logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"
-DATA_STATE_NAME = "acco_data_state.json"  # dynamic mode: the position in the epoch (pacing.Pacer.state_dict)
+DATA_STATE_NAME = "acco_data_state.json"  # paced accumulation: the position in the epoch (pacing.Pacer.state_dict)
 TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
 
@@ -134,8 +134,8 @@ def peer_failure(args: TrainingArguments, error: BaseException) -> PeerFailure:
 
 
 def save_engine_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
-    """Every rank's optimizer shard; on the writing process the scheduler and, in dynamic mode, the position in the
-    epoch (the same on every rank at a step boundary)."""
+    """Every rank's optimizer shard; on the writing process the scheduler and, with paced accumulation, the position
+    in the epoch (the same on every rank at a step boundary)."""
     save_optimizer_state(engine_of(trainer), output_dir)  # every rank writes its own shard
     data = trainer._pacer.state_dict() if trainer._pacer is not None else None  # collective with streams
     if trainer.args.should_save:

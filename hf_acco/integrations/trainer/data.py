@@ -1,4 +1,4 @@
-"""Dynamic accumulation under Trainer (``acco_accumulation="dynamic"``): Trainer's data pipeline over micro-batches
+"""Paced accumulation under Trainer (``acco_accumulation="paced"``): Trainer's data pipeline over micro-batches
 the ranks claim from one shared, seeded order (claims.py; an IterableDataset: each rank's own shard, its batches
 numbered from one shared counter), the slots Trainer's loop iterates instead of batches, and the position in the
 epoch a checkpoint resumes from.
@@ -150,19 +150,19 @@ def restore_position(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
 
 
 def slots(pacer: Pacer) -> Any:
-    """What Trainer's loop iterates in dynamic mode instead of a DataLoader."""
+    """What Trainer's loop iterates with paced accumulation instead of a DataLoader."""
     return EndlessSlots(pacer) if pacer.sampler.endless else PacedSlots(pacer)
 
 
 def window_slots(epoch_iterator: Any, num_batches: int) -> list[Slot]:
-    """Trainer's window in dynamic mode: its slots; the last one runs a whole ACCO step (training_step), so that
-    one Trainer step is one optimizer step with Trainer's own step, logging and checkpoint cadence."""
+    """Trainer's window with paced accumulation: its slots; the last one runs a whole ACCO step (training_step), so
+    that one Trainer step is one optimizer step with Trainer's own step, logging and checkpoint cadence."""
     count = sum(1 for _ in itertools.islice(epoch_iterator, num_batches))
     return [Slot(last=i == count - 1) for i in range(count)]
 
 
 class Slot:
-    """One of the slots of a Trainer window in dynamic mode; the window's last one runs the ACCO step."""
+    """One of the slots of a Trainer window with paced accumulation; the window's last one runs the ACCO step."""
 
     __slots__ = ("last",)
 
@@ -171,9 +171,9 @@ class Slot:
 
 
 class PacedSlots:
-    """What Trainer's loop iterates in dynamic mode: per epoch, a rank's share of the micro-batches on average, so
-    that Trainer's steps per epoch, ``max_steps`` and learning-rate schedule come out as under DDP (one step per
-    ``gradient_accumulation_steps`` slots). The micro-batches themselves come from the pacer."""
+    """What Trainer's loop iterates with paced accumulation: per epoch, a rank's share of the micro-batches on
+    average, so that Trainer's steps per epoch, ``max_steps`` and learning-rate schedule come out as under DDP (one
+    step per ``gradient_accumulation_steps`` slots). The micro-batches themselves come from the pacer."""
 
     def __init__(self, pacer: Pacer) -> None:
         self.pacer = pacer

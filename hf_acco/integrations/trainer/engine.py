@@ -36,7 +36,7 @@ ALLOW_CUSTOM = "set acco_allow_custom_optimizer=True and pass it as optimizer_cl
 def sync_buffers(trainer: ACCOTrainerMixin, model: torch.nn.Module) -> None:
     """DDP's ``broadcast_buffers`` (Trainer's ``ddp_broadcast_buffers``; unset is DDP's default, True): rank 0's
     buffers before the first forward of each accumulation window (``BufferSync``), once per model. Not with
-    dynamic accumulation (refused or said in ``check_args`` / ``check_trainer``), nor on one rank."""
+    paced accumulation (refused or said in ``check_args`` / ``check_trainer``), nor on one rank."""
     args = trainer.args
     current = getattr(trainer, "_acco_buffer_sync", None)
     if current is not None and current.module is model:
@@ -93,7 +93,7 @@ def check_args(training_args: TrainingArguments) -> None:
 
 
 def check_trainer(trainer: ACCOTrainerMixin) -> None:
-    """What only a built Trainer can tell: its data, its optimizer class, the launch, a dynamic acco step's size."""
+    """What only a built Trainer can tell: its data, its optimizer class, the launch, a paced acco step's size."""
     args = trainer.args
     if (
         trainer.train_dataset is not None

@@ -1,5 +1,5 @@
-"""ACCO's figures next to Trainer's loss: exposed communication, round time, micro-batches per step, and in dynamic
-mode each rank's micro-batches and tokens and the loss of each step's global batch."""
+"""ACCO's figures next to Trainer's loss: exposed communication, round time, micro-batches per step, and with paced
+accumulation each rank's micro-batches and tokens and the loss of each step's global batch."""
 
 from __future__ import annotations
 

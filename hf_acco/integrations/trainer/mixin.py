@@ -10,11 +10,11 @@ What it intercepts, why, and where the work is (Trainer's loop itself is not cop
   broadcast (``ddp_broadcast_buffers``) is kept by forward hooks (``engine.sync_buffers``).
 * ``create_optimizer``: the ACCOOptimizer with Trainer's groups and ``optim``, or the user's optimizer taken over,
   and the same engine again at the next ``train()`` (``engine.build_engine``).
-* ``get_train_dataloader``, ``get_batch_samples``, ``_init_training_state``, ``create_scheduler``: dynamic mode's
+* ``get_train_dataloader``, ``get_batch_samples``, ``_init_training_state``, ``create_scheduler``: paced accumulation's
   claimed micro-batches, the slots Trainer's loop iterates, the position in the epoch (``data``).
 * ``training_step``: tell the engine a micro-batch is done, with the weight that undoes Trainer's loss
-  normalisation (``weights``); in dynamic mode one whole ACCO step in the window's last slot.
-* ``floating_point_ops``, ``_track_num_input_tokens``: a slot has no tokens; dynamic mode counts at logging.
+  normalisation (``weights``); with paced accumulation one whole ACCO step in the window's last slot.
+* ``floating_point_ops``, ``_track_num_input_tokens``: a slot has no tokens; paced accumulation counts at logging.
 * ``_clip_grad_norm``, ``_get_grad_norm``, ``_maybe_log_save_evaluate``: clipping happens inside the round, by the
   global norm; the logged norm is the last finished commit's.
 * ``_finalize_training``: drain the round in flight, the committed parameters in the model, hooks released.
@@ -96,11 +96,11 @@ class ACCOTrainerMixin(_TrainerBase):
         engine.check_trainer(self)
         checkpoints.agree_on_jit_checkpoints(self)
         self.acco: ACCOOptimizer | None = None
-        self._pacer: Pacer | None = None  # dynamic mode: the claimed micro-batches of each step
+        self._pacer: Pacer | None = None  # paced accumulation: the claimed micro-batches of each step
         self._logged_totals: dict[str, float] = {}
         self._input_tokens: float = 0.0  # input tokens this rank computed
         self._logged_tokens: float = 0.0  # ... and when last logged
-        self._step_losses: list[torch.Tensor] = []  # dynamic mode: (loss x weight, weight) per step since the log
+        self._step_losses: list[torch.Tensor] = []  # paced: (loss x weight, weight) per step since the log
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train, resuming only from complete checkpoints (``True``: the latest complete on every rank)."""
@@ -131,7 +131,7 @@ class ACCOTrainerMixin(_TrainerBase):
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         return engine.build_engine(self, model)  # at every train(): the same engine goes on (see reuse_engine)
 
-    # ---- data in dynamic mode -----------------------------------------------------------------------------
+    # ---- data with paced accumulation ----------------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
         if engine_accumulation(self.args) != "paced":
@@ -156,7 +156,7 @@ class ACCOTrainerMixin(_TrainerBase):
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if self.is_fsdp_enabled:  # called right after Accelerate's FSDP prepare: see engine.restore_param_groups
             engine.restore_param_groups(self)
-        if self._pacer is not None and self.state.max_steps:  # dynamic mode: the horizon restore_position set
+        if self._pacer is not None and self.state.max_steps:  # paced accumulation: the horizon restore_position set
             num_training_steps = self.state.max_steps
         return super().create_scheduler(num_training_steps, optimizer)
 
@@ -172,7 +172,7 @@ class ACCOTrainerMixin(_TrainerBase):
     ) -> torch.Tensor:
         if self.acco is None:  # outside train() (a one-step check): Trainer's own step, gradients in .grad
             return super().training_step(model, inputs, num_items_in_batch)
-        if isinstance(inputs, data.Slot):  # dynamic mode (see get_batch_samples)
+        if isinstance(inputs, data.Slot):  # paced accumulation (see get_batch_samples)
             return self._paced_step(model) if inputs.last else torch.zeros((), device=self.args.device)
         # A window of one micro-batch under fixed acco: its two halves along the batch dimension, each one's loss
         # and gradient scaled by its share of the rows, so the step's are the whole batch's
@@ -228,7 +228,7 @@ class ACCOTrainerMixin(_TrainerBase):
         return 0 if isinstance(inputs, data.Slot) else super().floating_point_ops(inputs)  # a slot's: _paced_step
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
-        # Trainer gathers the count across ranks every micro-batch; in dynamic mode the counts are gathered at
+        # Trainer gathers the count across ranks every micro-batch; with paced accumulation the counts are gathered at
         # logging instead (metrics.per_rank_metrics): a gather every step would hold the fast rank back
         if not isinstance(inputs, data.Slot):
             super()._track_num_input_tokens(inputs)
