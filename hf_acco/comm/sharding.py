@@ -84,43 +84,44 @@ class FlatLayout:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         _check_no_shared_storage(params, names)
         self.params = list(params)
-        self.names = list(names)
-        self.groups = list(groups)
-        self.shapes = [tuple(p.shape) for p in params]
-        self.numels = [p.numel() for p in params]
-        self.offsets = [0]
-        for n in self.numels[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = sum(self.numels)
-        self.world_size = world_size
+        self._set_entries(names, groups, [tuple(p.shape) for p in params])
         if bucket_numel is None:
             bucket_numel = auto_bucket_numel(self.numel, backend)
         self.bucket_numel = bucket_numel  # as asked (or chosen): buckets of about this many elements (aligned)
         buckets = max(1, math.ceil(self.numel / max(1, bucket_numel)))
-        self.chunk = CHUNK_ALIGN * max(1, math.ceil(self.numel / (buckets * world_size * CHUNK_ALIGN)))
-        self.num_buckets = max(1, math.ceil(self.numel / (world_size * self.chunk)))  # aligned: maybe fewer
-        self.bucket_size = world_size * self.chunk
-        self.padded_numel = self.num_buckets * self.bucket_size
-        self.shard_numel = self.num_buckets * self.chunk
+        chunk = CHUNK_ALIGN * max(1, math.ceil(self.numel / (buckets * world_size * CHUNK_ALIGN)))
+        num_buckets = max(1, math.ceil(self.numel / (world_size * chunk)))  # aligned: maybe fewer
+        self._set_geometry(world_size, chunk, num_buckets)
 
     @classmethod
     def from_meta(cls, meta: dict) -> FlatLayout:
         """The layout a checkpoint recorded (``meta()``), without parameters: for tools that read its shards."""
         layout = cls.__new__(cls)
-        layout.params, layout.names, layout.groups = [], list(meta["names"]), list(meta["groups"])
-        layout.shapes = [tuple(s) for s in meta["shapes"]]
-        layout.numels = [math.prod(s) for s in layout.shapes]
-        layout.offsets = [sum(layout.numels[:i]) for i in range(len(layout.numels))]
-        layout.numel = sum(layout.numels)
+        layout.params = []
+        layout._set_entries(meta["names"], meta["groups"], [tuple(s) for s in meta["shapes"]])
         if layout.numel != meta["numel"]:
             raise ValueError(
                 f"an inconsistent layout record: its shapes hold {layout.numel} elements, not {meta['numel']}"
             )
-        layout.world_size, layout.chunk, layout.num_buckets = meta["world_size"], meta["chunk"], meta["num_buckets"]
-        layout.bucket_size = layout.bucket_numel = layout.world_size * layout.chunk
-        layout.padded_numel = layout.num_buckets * layout.bucket_size
-        layout.shard_numel = layout.num_buckets * layout.chunk
+        layout.bucket_numel = meta["world_size"] * meta["chunk"]
+        layout._set_geometry(meta["world_size"], meta["chunk"], meta["num_buckets"])
         return layout
+
+    def _set_entries(self, names: Sequence[str], groups: Sequence[int], shapes: list[tuple[int, ...]]) -> None:
+        """Each parameter's name, group, shape, size and offset in the flat space."""
+        self.names, self.groups, self.shapes = list(names), list(groups), shapes
+        self.numels = [math.prod(s) for s in shapes]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+
+    def _set_geometry(self, world_size: int, chunk: int, num_buckets: int) -> None:
+        """The buckets: ``num_buckets`` of one ``chunk`` per rank."""
+        self.world_size, self.chunk, self.num_buckets = world_size, chunk, num_buckets
+        self.bucket_size = world_size * chunk
+        self.padded_numel = num_buckets * self.bucket_size
+        self.shard_numel = num_buckets * chunk
 
     # ---- flat buffers -------------------------------------------------------------------------------------
 

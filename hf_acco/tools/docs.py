@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hf_acco.tools import results_docs
-from hf_acco.tools.bench.report import PACED_NAMES, method_label
+from hf_acco.tools.bench.report import accumulation_name, method_label
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "recipes" / "results"
@@ -70,9 +70,9 @@ def _to_target(run: dict | None, ddp: dict) -> str:
 def _by_setting(runs: list[dict]):
     """Each setting of a benchmark's runs, in order, with its runs by (method, accumulation), paced runs under
     "paced" whatever name their file gives them."""
-    accumulation = lambda r: "paced" if r["accumulation"] in PACED_NAMES else r["accumulation"]  # noqa: E731
     for setting in dict.fromkeys(r["setting"] for r in runs):
-        yield setting, {(r["method"], accumulation(r)): r for r in runs if r["setting"] == setting}
+        same = (r for r in runs if r["setting"] == setting)
+        yield setting, {(r["method"], accumulation_name(r["accumulation"])): r for r in same}
 
 
 def benchmark_table(path: str = "benchmark/benchmark.json") -> str:

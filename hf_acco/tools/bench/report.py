@@ -29,15 +29,20 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from hf_acco.tools.plan.model import PACED
+
 WARMUP_STEPS = 2  # steps left out of medians: start-up (first rounds, allocator, caches)
-# ACCOTrainer's paced accumulation (the Pacer): its runs are "paced"; result files written before the name was
-# settled call them "dynamic" (the engine's own dynamic mode is not benchmarked)
-PACED_NAMES = ("paced", "dynamic")
+
+
+def accumulation_name(accumulation: str) -> str:
+    """A run's accumulation by its one name: result files written before paced had it say "dynamic" for ACCOTrainer's
+    paced accumulation (the engine's own dynamic mode is not benchmarked)."""
+    return "paced" if accumulation in PACED else accumulation
 
 
 def method_label(method: str, accumulation: str) -> str:
     """A run's name in tables and plots: its method, with "paced" for paced accumulation."""
-    return method + (" paced" if accumulation in PACED_NAMES else "")
+    return method + (" paced" if accumulation_name(accumulation) == "paced" else "")
 
 
 def paced_name(method: str) -> str:

@@ -31,7 +31,7 @@ from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
 from hf_acco.pacing.pacer import Pacer
 from hf_acco.tools.bench import fsdp_runs
 from hf_acco.tools.bench.link import Traffic
-from hf_acco.tools.bench.report import PACED_NAMES, gather_of, method_parts
+from hf_acco.tools.bench.report import accumulation_name, gather_of, method_parts
 from hf_acco.tools.collectives import one_collective
 
 MAX_GRAD_NORM = 1.0  # Trainer's default, applied by every method
@@ -372,7 +372,7 @@ def build_method(
         if wire == "bf16":  # the matching choice for a bf16 wire: DDP's compression hook
             ddp.register_comm_hook(None, bf16_wire_hook)
         return ddp, torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0), False
-    paced = run["accumulation"] in PACED_NAMES
+    paced = accumulation_name(run["accumulation"]) == "paced"
     opt = ACCOOptimizer(model.parameters(), schedule=method, accumulation="paced" if paced else "fixed",
                         micro_batches=k, max_grad_norm=MAX_GRAD_NORM, lr=spec["lr"], weight_decay=0.0,
                         comm_dtype=wire, gather_dtype=gather_of(run["method"]),
