@@ -11,7 +11,7 @@ from hf_acco import ACCOOptimizer, check_world_size
 from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import clones
-from .models import batch, mean_loss, tiny_llama
+from .models import batch, mean_loss, tiny_llama, token_sum_loss
 
 
 def _params():
@@ -209,3 +209,71 @@ def test_a_steps_first_gradient_is_written_over_the_sums_no_zeroing_pass(schedul
     assert not [op for op in ops if op[0] == "zero_" and op[1] >= r["big"]], ops  # no pass over the buffer
     assert sum(name == "copy_" for name, _ in hooks) == 2 * params  # one per parameter and step (2 steps)
     assert sum(name == "add_" for name, _ in hooks) == 2 * 3 * params
+
+
+def _host_reads_by_thread(rank: int, world_size: int, schedule: str, on_device: bool) -> dict:
+    """Device reads (aten._local_scalar_dense: a host sync on a GPU) of the main thread in ``after_backward`` and
+    ``step``, and of each round on its thread, over steady steps with token weights and clipping."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_acco.engine.rounds import RoundBody
+
+    class Reads(TorchDispatchMode):
+        def __init__(self, counts: list[int]) -> None:
+            super().__init__()
+            self.counts = counts
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.counts[-1] += 1
+            return func(*args, **(kwargs or {}))
+
+    main: list[int] = []
+    rounds: list[int] = []
+    original = RoundBody.__call__
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        rounds.append(0)
+        with Reads(rounds):
+            return original(self, *args, **kwargs)
+
+    RoundBody.__call__ = counted
+    try:
+        model = tiny_llama()
+        # fused AdamW (Trainer's default optim): its step counts live on the device, and it reads none of them (the
+        # one-tensor-at-a-time AdamW keeps them on the host, where a read is no device sync)
+        opt = ACCOOptimizer(
+            model.parameters(), lr=1e-2, micro_batches=4, schedule=schedule, max_grad_norm=0.5, fused=True
+        )
+        for t in range(3):
+            for i in range(4):
+                loss, tokens = token_sum_loss(model, batch(rank, 4 * t + i))
+                loss.backward()
+                weight = torch.tensor(float(tokens), dtype=torch.float64) if on_device else float(tokens)
+                main.append(0)
+                with Reads(main):
+                    opt.after_backward(weight)
+            main.append(0)
+            with Reads(main):
+                opt.step()
+        opt.synchronize()
+        weight = opt.last_commit.local_weight
+        opt.close()
+    finally:
+        RoundBody.__call__ = original
+    return {"main": main, "rounds": rounds, "weight": weight}
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+@pytest.mark.parametrize("schedule", ["acco", "sync"])
+def test_the_main_thread_never_reads_the_device_and_a_round_reads_it_once_or_twice(
+    schedule: str, on_device: bool
+) -> None:
+    """A weight kept on the device is read by the round, on its thread (never by the main thread at a boundary,
+    where a host sync would stall the compute); the round reads its global norm once (for the skip decision and
+    the figure it reports). One read per round, two with a device weight."""
+    r = run_ranks(_host_reads_by_thread, schedule=schedule, on_device=on_device)[0]
+    assert r["main"] == [0] * len(r["main"]), r["main"]
+    rounds = 6 if schedule == "acco" else 3
+    assert r["rounds"] == [2 if on_device else 1] * rounds, r["rounds"]
+    assert r["weight"] > 0  # this rank's weight (its tokens) in the last commit round, as the round read it

@@ -240,11 +240,12 @@ def test_step_machine_table() -> None:
 
 def test_statistics_count_each_round_once() -> None:
     stats = EngineStats()
-    commit = RoundResult(RoundKind.COMMIT, 8.0, 4, 1.5, 0.2)
+    commit = RoundResult(RoundKind.COMMIT, 8.0, 4, 1.5, 0.2, local_weight=3.0)
     assert stats.round_finished(commit) and not stats.round_finished(commit)
     stats.wait_s = 0.1
-    stats.step_ended(1, micro_batches=2, weight=4.0)
+    stats.step_ended(1, micro_batches=2)
     assert stats.last_step_stats["global_micro_batches"] == 4.0 and stats.last_step_stats["grad_norm"] == 1.5
+    assert stats.last_step_stats["weight"] == 3.0 and stats.totals["weight"] == 3.0  # the round's, counted once
     assert stats.totals["global_micro_batches"] == 4 and stats.totals["wait_s"] == 0.1 and stats.wait_s == 0.0
 
 

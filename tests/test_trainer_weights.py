@@ -156,23 +156,33 @@ def test_the_optimizer_state_dict_has_torchs_keys(tmp_path: Path) -> None:
 
 def _host_reads(rank: int, world_size: int, argv: list[str]) -> dict:
     """Every tensor read on the host (``.item()``, ``float()``: aten._local_scalar_dense, a device sync on a GPU)
-    inside ACCOTrainer's training_step, outside the model's forward (the model's own: transformers' mask code reads
-    one), per micro-batch."""
+    by the main thread inside ACCOTrainer's training_step, outside the model's forward (the model's own:
+    transformers' mask code reads one), per micro-batch; and inside the engine's ``step()`` (the step's end)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hf_acco import ACCOTrainer
+    from hf_acco import ACCOOptimizer, ACCOTrainer
 
     reads: list[int] = []
+    step_reads: list[int] = []
     in_model = [False]
     wrapped: list[bool] = []  # the model training_step gets: never DDP (ACCO's rounds average the gradients)
 
     class Reads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             if func is torch.ops.aten._local_scalar_dense.default and not in_model[0]:
-                reads[-1] += 1
+                self.counts[-1] += 1
             return func(*args, **(kwargs or {}))
 
-    original = ACCOTrainer.training_step
+        def __init__(self, counts: list[int]) -> None:
+            super().__init__()
+            self.counts = counts
+
+    original, original_step = ACCOTrainer.training_step, ACCOOptimizer.step
+
+    def counted_step(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        step_reads.append(0)
+        with Reads(step_reads):
+            return original_step(self, *args, **kwargs)
 
     def counted(self, model, *args, **kwargs):  # noqa: ANN001, ANN202
         if not reads:
@@ -180,30 +190,31 @@ def _host_reads(rank: int, world_size: int, argv: list[str]) -> dict:
             model.register_forward_hook(lambda *a: in_model.__setitem__(0, False))
         reads.append(0)
         wrapped.append(isinstance(model, torch.nn.parallel.DistributedDataParallel))
-        with Reads():
+        with Reads(reads):
             return original(self, model, *args, **kwargs)
 
-    ACCOTrainer.training_step = counted
+    ACCOTrainer.training_step, ACCOOptimizer.step = counted, counted_step
     try:
         trainer_script.main(argv)
     finally:
-        ACCOTrainer.training_step = original
-    return {"reads": reads, "ddp": any(wrapped)}
+        ACCOTrainer.training_step, ACCOOptimizer.step = original, original_step
+    return {"reads": reads, "step_reads": step_reads, "ddp": any(wrapped)}
 
 
 @pytest.mark.parametrize("schedule", ["acco", "sync"])
-def test_token_counting_reads_the_device_once_per_half_not_per_micro_batch(tmp_path: Path, schedule: str) -> None:
-    """Trainer's token counts (num_items_in_batch, the labels) stay where the batch is: the engine reads a half's
-    weight once, when the half ends, not twice per micro-batch. In a micro-batch that is acco's A->B boundary
-    (the 2nd of 4) that is one read; the step's end (the B->A boundary) comes with Trainer's optimizer.step()."""
+def test_the_main_thread_never_reads_the_device_in_a_step(tmp_path: Path, schedule: str) -> None:
+    """Trainer's token counts (num_items_in_batch, the labels) stay where the batch is, and the engine's main
+    thread never reads them (nor anything else on the device): not per micro-batch, not at acco's A->B boundary
+    (the 2nd micro-batch of 4), not at the step's end (Trainer's optimizer.step()). The round reads a half's
+    weight on its own thread and stream; a read here would make the host wait for the queued compute."""
     from hf_acco.tools.multiprocess import run_ranks
 
     extra = json.dumps({"acco_schedule": schedule, "gradient_accumulation_steps": 4})
     argv = ["--output_dir", str(tmp_path), "--acco", "--max_steps", "3", "--extra", extra]
     got = run_ranks(_host_reads, world_size=2, backend=None, argv=argv, timeout=180)[0]
     assert not got["ddp"]  # (a DDP wrapper would also read the device in the last backward)
-    boundary = [0, 1, 0, 0] if schedule == "acco" else [0, 0, 0, 0]
-    assert got["reads"] == boundary * 3, got["reads"]
+    assert got["reads"] == [0] * 12, got["reads"]
+    assert got["step_reads"] == [0] * 3, got["step_reads"]
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3, 6])

@@ -246,7 +246,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         """An optimizer step starts with nothing counted, in the schedule's first phase."""
         self._half_count = 0  # micro-batches and their weight in this half (this rank)
         self._half_weight: float | torch.Tensor = 0.0
-        self._step_counts: list[tuple[int, float]] = []  # (micro-batches, weight) of finished halves of this step
+        # (micro-batches, weight) of the finished halves of this step; a weight on the device stays there
+        self._step_counts: list[tuple[int, float | torch.Tensor]] = []
         self.buffers.hook_calls = 0
         self.buffers.clear_touched()
         self.phase = first_phase(self._schedule_now())
@@ -277,7 +278,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             self.buffers.check_devices()
         self.halves.micro_batch_ended()
         self._half_count += 1
-        # a weight on the device (Trainer's token counts) stays there: read once per half (_finish_half)
+        # a weight on the device (Trainer's token counts) stays there: the round reads it (RoundBody._run)
         self._half_weight = self._half_weight + (weight if torch.is_tensor(weight) else float(weight))
         if self.phase is Phase.ESTIMATE and self._half_done():
             self._boundary_estimate_to_correction()
@@ -416,15 +417,17 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         self._boundary.pending = self.rounds.kind is RoundKind.COMMIT
         self._model_moved = False
         self.step_count += 1
-        self.stats.step_ended(self.step_count, micro_batches, weight)
+        self.stats.step_ended(self.step_count, micro_batches)
         self._restart_step()  # after a warm-up the estimate restarts from θ (the schedule's first phase)
         self.halves.micro_batch_started()
 
     def _finish_half(self) -> None:
-        self._step_counts.append((self._half_count, float(self._half_weight)))
+        self._step_counts.append((self._half_count, self._half_weight))
         self._half_count, self._half_weight = 0, 0.0
 
-    def _launch(self, kind: RoundKind, weight: float, micro_batches: int, swap: bool, capture: bool = False) -> None:
+    def _launch(
+        self, kind: RoundKind, weight: float | torch.Tensor, micro_batches: int, swap: bool, capture: bool = False
+    ) -> None:
         if self.buffers.evaluating:
             raise AssertionError("a round launched in eval mode")  # invariant: accum may hold the parameters then
         label = f"{kind.value} round {self.step_count}"

@@ -36,7 +36,7 @@ class RoundInFlight:
     def launch(
         self,
         kind: RoundKind,
-        weight: float,
+        weight: float | torch.Tensor,
         micro_batches: int,
         joined: bool,
         swap: bool,
@@ -51,7 +51,8 @@ class RoundInFlight:
             raise AssertionError("a round is still in flight")  # invariant: one round at a time
         buf = self.buffers.hand_over(swap)  # from here on the round owns ``buf``
         grads, params = self.buffers.grads_of(buf), self.buffers.params_of(buf)
-        counts = [float(weight), float(micro_batches), 1.0 if joined else 0.0]  # to the host group: no device copy
+        # to the host group; a weight on the device is read by the round (the main thread never waits on it)
+        counts = [weight, float(micro_batches), 1.0 if joined else 0.0]
         touched = self.buffers.take_touched(reset=swap)  # the parameters these sums hold a gradient of
         inflight = InFlight(None, kind)  # type: ignore[arg-type]
         everyone_in = inflight.everyone_in

@@ -34,7 +34,7 @@ class EngineLifecycle:
     _half_count: int
     _joined: bool
     _model_moved: bool
-    _step_counts: list[tuple[int, float]]
+    _step_counts: list[tuple[int, float | torch.Tensor]]
     last_commit: RoundResult | None
 
     def synchronize(self) -> None:

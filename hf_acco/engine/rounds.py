@@ -9,6 +9,7 @@ tests run it with a fake one and no thread.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 import warnings
@@ -35,6 +36,7 @@ class RoundResult:
     seconds: float  # wall time of the round in the background thread
     joined: int = 0  # ranks that were in a rendezvous when they launched this round
     skipped: bool = False  # the averaged gradient was not finite: no update (the same decision on every rank)
+    local_weight: float = 0.0  # this rank's share of ``weight``
 
 
 def own_pieces(layout: FlatLayout, flat: torch.Tensor, rank: int) -> torch.Tensor:
@@ -158,14 +160,15 @@ class RoundBody:
         kind: RoundKind,
         grads: torch.Tensor,
         params: torch.Tensor,
-        counts: list[float],
+        counts: Sequence[float | torch.Tensor],
         hparams: list[dict[str, Any]],
         everyone_in: threading.Event,
         label: str,
         touched: Sequence[float] | None = None,
     ) -> RoundResult:
         """Run one round: reduce-scatter ``grads``, all-gather into ``params`` (two views of the round's buffer,
-        in the wire's and the model's dtype). ``counts`` = [weight, micro-batches, joined] of this rank;
+        in the wire's and the model's dtype). ``counts`` = [weight, micro-batches, joined] of this rank (the weight
+        may be a one-element tensor on the device: read here, on the round's thread and stream);
         ``touched``: per parameter, 1.0 if this rank's sums hold a gradient of it (None: all of them)."""
         with self.comm.guard(label):
             return self._run(kind, grads, params, counts, hparams, everyone_in, touched)
@@ -176,7 +179,7 @@ class RoundBody:
         kind: RoundKind,
         grads: torch.Tensor,
         buf: torch.Tensor,
-        counts: list[float],
+        counts: Sequence[float | torch.Tensor],
         hparams: list,
         everyone_in: threading.Event,
         touched: Sequence[float] | None = None,
@@ -192,15 +195,19 @@ class RoundBody:
         # (dynamic accumulation under Trainer: ranks launch a round at different Trainer steps).
         # Which parameters received a gradient on any rank rides along too (a flag per parameter, summed): a
         # parameter no rank gave one is left out of the update (skip), as torch's optimizers leave out grad None.
+        # A weight on the device (Trainer's token counts) is read here, not by the main thread at the boundary (a host
+        # sync there would stall the compute): this stream waited for the launch's ready event, recorded after the
+        # weight's last addition on the main stream, and the round holds the tensor until the read is over.
+        local = [float(c) for c in counts]
         numbers = hparam_numbers(hparams)
         mine = numbers if self.rank == 0 else [0.0] * len(numbers)
         flags = list(touched) if touched is not None else [1.0] * len(self.layout.params)
-        total_weight, total_micro_batches, joined, *agreed = comm.all_reduce_counts(list(counts) + flags + mine)
+        total_weight, total_micro_batches, joined, *agreed = comm.all_reduce_counts(local + flags + mine)
         skip = frozenset(i for i, f in enumerate(agreed[: len(flags)]) if f == 0.0)
         hparams = with_hparam_numbers(hparams, agreed[len(flags) :])
         everyone_in.set()
         if total_weight <= 0:  # the same on every rank: no weight anywhere, so nothing to reduce or update
-            norm, skipped = torch.zeros(1, device=buf.device), self._no_weight(kind, joined)
+            norm, skipped = 0.0, self._no_weight(kind, joined)
             self._put(buf, shard.master)  # the committed parameters
         else:
             # 2. reduce-scatter: this rank's shard of the sum of every rank's gradient sums, in fp32, into the round's
@@ -223,7 +230,7 @@ class RoundBody:
         if buf.is_cuda:  # the round's duration is that of its kernels, not of their launch (work.wait() does not
             torch.cuda.current_stream(buf.device).synchronize()  # block the host on NCCL); blocks only this thread
         seconds = time.perf_counter() - t0
-        return RoundResult(kind, total_weight, int(total_micro_batches), norm.item(), seconds, int(joined), skipped)
+        return RoundResult(kind, total_weight, int(total_micro_batches), norm, seconds, int(joined), skipped, local[0])
 
     def _put(self, buf: torch.Tensor, new: torch.Tensor, narrow: bool = False) -> None:
         """This rank's new parameters ``new`` (its shard: master or look-ahead, fp32) into its pieces of ``buf``;
@@ -272,10 +279,10 @@ class RoundBody:
         hparams: list,
         narrow: bool = False,
         skip: frozenset[int] = frozenset(),
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> tuple[float, bool]:
         """Average, norm, clip, update (``grad``: the shard's reduced gradient, the one ``shard.use_grad`` set); this
         rank's pieces of ``buf`` get the result; the parameters in ``skip`` (no gradient on any rank) are left out
-        of the norm and the update. (norm, skipped)."""
+        of the norm and the update. (norm, skipped): the norm read on the host once, for both."""
         layout, shard = self.layout, self.shard
         if skip:  # zero already, unless int8 error feedback sent a rounding residual for them: not a gradient
             for i, a, b in self._pieces:
@@ -285,16 +292,17 @@ class RoundBody:
         grad.div_(total_weight)
         # 4. global gradient norm and clipping, as torch.nn.utils.clip_grad_norm_ computes them
         norm = self.global_grad_norm(grad)
-        skipped = not bool(torch.isfinite(norm).all())  # all-reduced: every rank decides the same
+        norm_value = norm.item()  # the round's one read of its device (the update waits for it anyway)
+        skipped = not math.isfinite(norm_value)  # all-reduced: every rank decides the same
         if skipped and self.nonfinite == "error":
             raise FloatingPointError(
-                f"The averaged gradient of this {kind.value} round is not finite (global norm {norm.item()}) on "
+                f"The averaged gradient of this {kind.value} round is not finite (global norm {norm_value}) on "
                 "every rank. Lower the learning rate, check the data for bad examples, or train with "
                 "bf16 instead of fp16; or let ACCO skip such steps (nonfinite='skip')."
             )
         if skipped:  # 5. no update: the round hands back the committed parameters
             self._put(buf, shard.master)
-            return norm, skipped
+            return norm_value, skipped
         if self.max_grad_norm is not None:
             grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
         # 5. optimizer update, 6. written into this rank's pieces of ``buf``
@@ -306,7 +314,7 @@ class RoundBody:
             self._put(buf, grad, narrow=True)
         else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
             shard.estimate(hparams, own_pieces(layout, buf, self.rank), skip)
-        return norm, skipped
+        return norm_value, skipped
 
     def global_grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
         """Norm of the per-parameter norms of the shard's gradient ``grad`` (clip_grad_norm_'s formula, so that

@@ -21,7 +21,8 @@ class EngineStats:
     def __init__(self) -> None:
         self.last_step_stats: dict[str, float] = {}
         self.last_commit: RoundResult | None = None  # the latest commit round waited for
-        # since the start: this rank's steps, micro-batches and weight; every commit round's global micro-batches
+        # since the start: this rank's steps and micro-batches; every commit round's global micro-batches and this
+        # rank's weight in it
         self.totals = dict.fromkeys(TOTALS, 0.0)
         self.wait_s = 0.0  # exposed communication of the current step
         self._rounds: list[RoundResult] = []  # finished during the current step
@@ -35,6 +36,7 @@ class EngineStats:
             self.last_commit = result
             self.totals["skipped_steps"] += float(result.skipped)
             self.totals["global_micro_batches"] += result.micro_batches
+            self.totals["weight"] += result.local_weight
         return True
 
     def state_dict(self) -> dict[str, Any]:
@@ -55,18 +57,18 @@ class EngineStats:
         for key in ("skipped_steps", "global_micro_batches"):
             self.totals[key] = float(state.get(key, 0.0))
 
-    def step_ended(self, step: int, micro_batches: int, weight: float) -> None:
+    def step_ended(self, step: int, micro_batches: int) -> None:
         rounds, self._rounds = self._rounds, []
         commit = [r for r in rounds if r.kind is RoundKind.COMMIT]
         self.last_step_stats = {
             "step": float(step),
             "micro_batches": float(micro_batches),
-            "weight": weight,
             "wait_s": self.wait_s,
             "round_s": sum(r.seconds for r in rounds),
         }
-        if commit:  # the commit round that finished during this step (the previous step's, except for sync)
-            self.last_step_stats.update(
+        if commit:  # the commit round that finished during this step (the previous step's, except for sync); its
+            self.last_step_stats.update(  # weights come from the round, which reads a weight kept on the device
+                weight=commit[-1].local_weight,
                 global_micro_batches=float(commit[-1].micro_batches),
                 global_weight=commit[-1].weight,
                 grad_norm=commit[-1].grad_norm,
@@ -74,7 +76,6 @@ class EngineStats:
         for key, value in (
             ("steps", 1.0),
             ("micro_batches", micro_batches),
-            ("weight", weight),
             ("wait_s", self.wait_s),
             ("round_s", self.last_step_stats["round_s"]),
         ):
