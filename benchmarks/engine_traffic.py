@@ -2,7 +2,7 @@
 model's forward and backward, per parameter, next to the least a ZeRO-1 step needs.
 
     python benchmarks/engine_traffic.py                          # this tree: acco and sync, 2 gloo ranks
-    python benchmarks/engine_traffic.py --base 824f643           # and a base commit (a git worktree), side by side
+    python benchmarks/engine_traffic.py --base 824f643 e08c78f   # and earlier commits (git worktrees), side by side
     python benchmarks/engine_traffic.py --out recipes/results/engine/traffic
 
 Every aten operation run by the engine is counted by a ``TorchDispatchMode`` entered in its three entry points
@@ -235,7 +235,7 @@ def table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/engine_traffic.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--base", help="a commit to measure beside this tree (checked out in a git worktree)")
+    p.add_argument("--base", nargs="*", default=[], help="commits to measure beside this tree (worktrees)")
     p.add_argument("--schedules", nargs="+", default=["acco", "sync"])
     p.add_argument("--world_size", type=int, default=2)
     p.add_argument("--micro_batches", type=int, default=4)
@@ -254,12 +254,12 @@ def main(argv: list[str] | None = None) -> int:
                            text=True).stdout.strip()  # fmt: skip
     trees: list[tuple[str, Path]] = [(head.stdout.strip() + (" + changes" if dirty else ""), ROOT)]
     with contextlib.ExitStack() as stack:
-        if args.base:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tmp / "base"), args.base], cwd=ROOT,
-                           check=True)  # fmt: skip
-            stack.callback(subprocess.run, ["git", "worktree", "remove", "--force", str(tmp / "base")], cwd=ROOT)
-            trees.insert(0, (args.base, tmp / "base"))
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        for i, base in enumerate(args.base):  # oldest first, as given; this tree last
+            tree = tmp / f"base{i}"
+            subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree), base], cwd=ROOT, check=True)
+            stack.callback(subprocess.run, ["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+            trees.insert(i, (base, tree))
         runs = []
         for name, code in trees:
             for schedule in args.schedules:
