@@ -1,4 +1,4 @@
-"""One ACCO round: count all-reduce, reduce-scatter, global norm, average and clip in one pass, update, all-gather.
+"""One ACCO round: count all-reduce, reduce-scatter, average, global norm, clip, sharded update, all-gather.
 
 A round runs on the background thread and touches only its buffer and the shard: the main thread hands it a
 full-size buffer of gradient sums and gets back, in the same buffer, the all-gathered parameters (committed θ
@@ -288,9 +288,10 @@ class RoundBody:
             for i, a, b in self._pieces:
                 if i in skip:
                     grad[a // layout.chunk, a % layout.chunk : a % layout.chunk + (b - a)].zero_()
-        # 3. the global norm of the averaged gradient, from the sums' (a norm scales with its vector): the average and
-        # the clipping are then one pass over the gradient (4.), not two
-        norm = self.global_grad_norm(grad).div_(total_weight)
+        # 3. average
+        grad.div_(total_weight)
+        # 4. global gradient norm and clipping, as torch.nn.utils.clip_grad_norm_ computes them
+        norm = self.global_grad_norm(grad)
         norm_value = norm.item()  # the round's one read of its device (the update waits for it anyway)
         skipped = not math.isfinite(norm_value)  # all-reduced: every rank decides the same
         if skipped and self.nonfinite == "error":
@@ -302,11 +303,8 @@ class RoundBody:
         if skipped:  # 5. no update: the round hands back the committed parameters
             self._put(buf, shard.master)
             return norm_value, skipped
-        # 4. average and clip, the clipping factor as torch.nn.utils.clip_grad_norm_ computes it
         if self.max_grad_norm is not None:
-            grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).div_(total_weight))
-        else:
-            grad.div_(total_weight)
+            grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
         # 5. optimizer update, 6. written into this rank's pieces of ``buf``
         if kind is RoundKind.COMMIT:
             shard.commit(hparams, skip)
