@@ -277,3 +277,54 @@ def test_the_main_thread_never_reads_the_device_and_a_round_reads_it_once_or_twi
     rounds = 6 if schedule == "acco" else 3
     assert r["rounds"] == [2 if on_device else 1] * rounds, r["rounds"]
     assert r["weight"] > 0  # this rank's weight (its tokens) in the last commit round, as the round read it
+
+
+def _late_copy(rank: int, world_size: int, delay: float) -> dict:
+    """acco on a bf16 model (fp32 sums, a bf16 wire: each hand-over is a cast copy) with the round's copy of the sums
+    held back by ``delay`` seconds; the main thread's full-buffer copies at the boundaries are counted."""
+    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_acco.engine.handover import LentSums
+
+    take = LentSums.take
+
+    def late(self):  # noqa: ANN001, ANN202
+        time.sleep(delay)  # the next half's backward reaches its hooks first
+        return take(self)
+
+    LentSums.take = late
+    copies = [0]
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func.__name__.startswith("copy_") and args[0].numel() >= opt.layout.numel:
+                copies[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    try:
+        model = tiny_llama().to(torch.bfloat16)
+        opt = ACCOOptimizer(model.parameters(), lr=1e-2, micro_batches=2, schedule="acco")
+        for t in range(4):
+            for i in range(2):
+                mean_loss(model, batch(rank, 2 * t + i))[0].backward()
+                with Copies():
+                    opt.after_backward()
+            with Copies():
+                opt.step()
+        opt.finalize()
+        out = {"params": [p.detach().float().clone() for p in model.parameters()], "copies": copies[0]}
+        opt.close()
+    finally:
+        LentSums.take = take
+    return out
+
+
+def test_the_round_copies_the_sums_and_the_next_half_waits_for_it() -> None:
+    """The cast copy of a half's sums into the round's buffer is the round's (off the main thread and stream), and
+    the next half's gradients are added into ``accum`` only after it: a copy held back by 0.3 s gives the same
+    parameters, bit for bit (half B's gradients never leak into half A's estimate)."""
+    prompt, late = (run_ranks(_late_copy, delay=d)[0] for d in (0.0, 0.3))
+    assert prompt["copies"] == late["copies"] == 0  # no full-buffer copy on the main thread at a boundary
+    assert all(torch.equal(a, b) for a, b in zip(prompt["params"], late["params"]))

@@ -137,14 +137,26 @@ def cuda_placed(
     separate: bool,
     gather_dtype: str = "auto",
     delay: float = 0.005,
+    late_copy_cycles: int = 0,
 ) -> dict:
     """A bf16 model on one GPU, NCCL's real collectives; the shard gradient where the engine puts it (the fp32
     round buffer's own pieces: NCCL's in-place reduce-scatter, the estimate over its own gradient, rounded into
-    bf16) or, ``separate``, held apart."""
+    bf16) or, ``separate``, held apart. ``late_copy_cycles``: a sleep kernel on the round's stream before its copy
+    of the sums (the device runs the copy late; the host goes on at once)."""
     if separate:  # this spawned process only
         import hf_acco.engine.buffers
 
         hf_acco.engine.buffers.shard_grad_room = lambda *args: None
+    if late_copy_cycles:
+        from hf_acco.engine.handover import LentSums
+
+        take = LentSums.take
+
+        def late(self):  # noqa: ANN001, ANN202
+            torch.cuda._sleep(late_copy_cycles)  # on the round's stream, queued before the copy
+            return take(self)
+
+        LentSums.take = late
     model = tiny_llama().cuda().to(torch.bfloat16)
     opt = ACCOOptimizer(
         decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5, comm_dtype=comm_dtype,
@@ -173,6 +185,16 @@ def test_cuda_shard_gradient_in_the_rounds_buffer_changes_no_bit() -> None:
     apart = _placed(comm_dtype="fp32", grad_dtype="fp32", separate=True)
     assert (placed["room"], apart["room"]) == ("own", None)
     assert all(torch.equal(a, b) for a, b in zip(placed["params"], apart["params"]))
+
+
+def test_cuda_the_rounds_copy_of_the_sums_comes_before_the_next_halfs_gradients() -> None:
+    """fp32 sums and a bf16 wire: each hand-over is a cast copy the round makes on its own stream. Held back on the
+    device, it must still read the sums before the next half's hooks (main stream) add to them: the same parameters,
+    bit for bit (handover.LentSums: the writer's stream waits for the copy's event)."""
+    prompt = _placed(comm_dtype="auto", grad_dtype="fp32", separate=False)
+    late = _placed(comm_dtype="auto", grad_dtype="fp32", separate=False, late_copy_cycles=50_000_000)
+    assert prompt["accum"] == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(prompt["params"], late["params"]))
 
 
 def test_cuda_bf16_wire_and_bf16_accumulation_train() -> None:

@@ -11,7 +11,7 @@ import torch
 import hf_acco.engine.buffers
 from hf_acco import ACCOOptimizer
 from hf_acco.comm.sharding import FlatLayout
-from hf_acco.engine.buffers import packed_round_saves
+from hf_acco.engine.packing import packed_round_saves
 from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, decay_groups, mean_loss, tiny_llama
@@ -50,7 +50,7 @@ def _steps(opt: ACCOOptimizer, model: torch.nn.Module, rank: int, first: int, la
 
 def _train(rank: int, world_size: int, packed: bool, dtype: torch.dtype, settings: dict) -> dict:
     if not packed:  # the round buffer in the wire's dtype, as without this mode
-        hf_acco.engine.buffers.packed_round_saves = lambda *args: False
+        hf_acco.engine.packing.packed_round_saves = lambda *args: False
     model = _model(dtype)
     opt = _engine(model, settings)
     out: dict = {"held": [], "committed": [], "packed": opt.buffers.packed is not None}

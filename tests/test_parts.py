@@ -199,11 +199,14 @@ def test_gradients_accumulate_in_fp32_and_the_round_takes_them_by_swap_or_copy()
     assert pair.accum.dtype == torch.float32
     torch.testing.assert_close(pair.grad_views[id(model.bias)], torch.full((2,), 12.0))  # 4 + 2 x 4
     first = pair.accum
-    assert pair.hand_over(swap=False) is not first and torch.equal(pair.wire, first)  # copy: half B goes on
+    wire, lent = pair.hand_over(swap=False)
+    assert wire is not first and lent is not None and not wire.any()  # a copy, which the round makes
+    lent.take()  # (the round's first work, on its thread and stream)
+    assert torch.equal(wire, first)  # half B goes on from the same sums
     sums = pair.accum.clone()
-    handed = pair.hand_over(swap=True)
+    handed, lent = pair.hand_over(swap=True)
     pair.restart(swap=True)
-    assert handed is first and torch.equal(handed, sums)  # swap: the round owns the step's sums
+    assert handed is first and torch.equal(handed, sums) and lent is None  # swap: the round owns the step's sums
     # accumulation restarts elsewhere, with no zeroing pass: each view's next gradient is written over it
     assert pair.accum is not handed and not any(pair.written) and pair.stale
     model(x).sum().backward()
@@ -217,10 +220,11 @@ def test_gradients_accumulate_in_fp32_and_the_round_takes_them_by_swap_or_copy()
 def test_one_buffer_without_overlap_goes_back_to_accumulating_after_the_round() -> None:
     model, pair = _pair(separate=False)
     model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
-    assert pair.hand_over(swap=True) is pair.accum  # sync: the round works in the one buffer
+    handed, lent = pair.hand_over(swap=True)
+    assert handed is pair.accum and lent is None  # sync: the round works in the one buffer
     pair.round_returned()
     assert not any(pair.written) and pair.stale  # back to accumulating: what it holds is overwritten or zeroed
-    assert pair.hand_over(swap=True) is pair.accum and not pair.accum.any()  # a round of no gradient reads zeros
+    assert pair.hand_over(swap=True)[0] is pair.accum and not pair.accum.any()  # a round of no gradient reads zeros
 
 
 # ---- the step machine and the statistics ----------------------------------------------------------------------

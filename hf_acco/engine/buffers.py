@@ -2,11 +2,12 @@
 
 ``accum``: the main thread's gradient sums (fp32; bf16 by choice for the largest bf16 models), filled by a
 post-accumulate-grad hook on every trainable parameter (bf16 gradients accumulate in fp32, mixed dtypes work,
-``p.grad`` stays ``None``). ``wire``: owned by the round
-in flight (gradients in, parameters out); the main thread touches it only between the round's ``wait()`` and the
-next launch. Handing a half's gradients to a round either swaps the two (the step's sums go; accumulation restarts
-from zero) or copies ``accum`` into ``wire`` (half B keeps accumulating on top of half A's sums). The synchronous
-schedule has no overlap: its round works in ``accum`` itself and there is no second buffer.
+``p.grad`` stays ``None``). ``wire``: owned by the round in flight (gradients in, parameters out); the main thread
+touches it only between the round's ``wait()`` and the next launch. Handing a half's gradients to a round either
+swaps the two (the step's sums go; accumulation restarts from zero) or lends ``accum`` to the round, which copies it
+into ``wire`` (cast to the wire's dtype) first thing on its thread and stream; the next write of ``accum`` waits for
+that copy (``handover.LentSums``; half B then keeps accumulating on top of half A's sums). With the wire in the sums'
+dtype the synchronous schedule's round works in ``accum`` itself, and there is no second buffer.
 
 The round also keeps this rank's fp32 shard of the reduced gradient inside its buffer when there is room
 (``shard_grad_room``), so no shard-sized gradient is held for the whole run:
@@ -30,9 +31,9 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from hf_acco.comm import quant
 from hf_acco.comm.deltas import PackedRound
 from hf_acco.comm.sharding import FlatLayout
+from hf_acco.engine.handover import LentSums
 
 WIRE_DTYPES = ("auto", "fp32", "bf16", "int8")  # the settings' spellings of comm_dtype
 GRAD_DTYPES = ("fp32", "bf16")  # of grad_dtype
@@ -117,50 +118,6 @@ def shard_grad_room(buffer_dtype: torch.dtype, comm_dtype: torch.dtype, world_si
     return None
 
 
-def packed_round_saves(
-    layout: FlatLayout, param_dtype: torch.dtype, comm_dtype: torch.dtype, grad_dtype: torch.dtype
-) -> bool:
-    """Whether a round buffer of packed int8 rows (``deltas.PackedRound``: int8 gradients and quantised changes),
-    with the shard gradient beside it, takes fewer bytes than a buffer of the wire's dtype with the shard gradient
-    where ``shard_grad_room`` puts it (not on 4 ranks with a 2-byte buffer, which holds it for free)."""
-    wire = comm_allocation(param_dtype, comm_dtype, True, grad_dtype)
-    assert wire is not None
-    shard_grad = layout.shard_numel * SHARD_GRAD_DTYPE.itemsize
-    plain = layout.padded_numel * wire.itemsize
-    if shard_grad_room(wire, comm_dtype, layout.world_size, layout.chunk) is None:
-        plain += shard_grad
-    return packed_bytes(layout) + shard_grad < plain
-
-
-def packed_bytes(layout: FlatLayout) -> int:
-    """Bytes of a packed round buffer: every chunk's int8 row (values and scales), every bucket."""
-    return layout.num_buckets * layout.world_size * quant.packed_numel(layout.chunk)
-
-
-def packs_round(layout: FlatLayout, param_dtype: torch.dtype, wire: torch.dtype, sums: torch.dtype, *,
-                int8_grads: bool, change_bits: int, error_feedback: bool, separate: bool, one_level: bool,
-                wired: bool) -> bool:  # fmt: skip
-    """Whether the round's buffer is packed int8 rows (``deltas.PackedRound``; the engine builds it, the memory report
-    counts it): int8 gradients in one level (a flat all-to-all) with quantised changes, a round beside the
-    micro-batches (not sync), no error feedback (it packs in the round), a wire (more than one rank), and fewer
-    bytes than the buffer in the wire's dtype."""
-    if not (int8_grads and change_bits and not error_feedback and separate and one_level and wired):
-        return False
-    return packed_round_saves(layout, param_dtype, wire, sums)
-
-
-def packing(comm: Any, layout: FlatLayout, params: Sequence[torch.Tensor], wire: torch.dtype, sums: torch.dtype,
-            **settings: Any) -> PackedRound | None:  # fmt: skip
-    """The engine's packed round buffer (``packs_round``; ``settings``: its change_bits, error_feedback, separate),
-    or None: the round's buffer in the wire's dtype."""
-    dtype = model_dtype(params)
-    wired, one_level = not comm.local_copies, comm.two_level is None
-    if not packs_round(layout, dtype, wire, sums, int8_grads=comm.quantized_gradients, one_level=one_level,
-                       wired=wired, **settings):  # fmt: skip
-        return None
-    return PackedRound(layout, comm, params, settings["change_bits"], dtype)
-
-
 class BufferPair:
     """``accum`` and ``wire`` over ``params`` in ``layout``.
 
@@ -192,7 +149,8 @@ class BufferPair:
         self.comm_dtype = comm_dtype
         self.param_dtype = model_dtype(self.params)
         check_grad_dtype(grad_dtype, comm_dtype, self.param_dtype)
-        self.accum = layout.new_flat(device, dtype=grad_dtype)
+        self._accum = layout.new_flat(device, dtype=grad_dtype)
+        self._lent: LentSums | None = None  # ``_accum`` lent to the round in flight until it has copied the sums
         self.packed = packed  # the round's buffer holds int8 rows (deltas.PackedRound), packed at the hand-over
         # the two buffers can swap roles when they are alike (the wire in the sums' dtype); else the round gets a copy
         self.swappable = swappable(self.param_dtype, comm_dtype, grad_dtype) and packed is None
@@ -200,7 +158,7 @@ class BufferPair:
         if packed is not None:
             self.wire = packed.new_buffer(device)
         else:
-            self.wire = self.accum if wire is None else layout.new_flat(device, dtype=wire)
+            self.wire = self._accum if wire is None else layout.new_flat(device, dtype=wire)
         self.rank = rank
         room = shard_grad_room(self.wire.dtype, comm_dtype, layout.world_size, layout.chunk)
         self.grad_room = None if packed is not None else room
@@ -218,9 +176,9 @@ class BufferPair:
         self.evaluating = False  # the engine is in eval mode: no gradient may come in (``accum`` may hold parameters)
         self.eval_backup: torch.Tensor | None = None  # in eval mode, what the model held if it was not θ
         # per-parameter views of each buffer, made once: the two buffers swap roles every step
-        flats = (self.accum,) if packed is not None else (self.accum, self.wire)
+        flats = (self._accum,) if packed is not None else (self._accum, self.wire)
         self._views_of = {id(buf): {id(p): v for p, v in zip(self.owners, layout.views(buf))} for buf in flats}
-        self.grad_views = self._views_of[id(self.accum)]
+        self.grad_views = self._views_of[id(self._accum)]
         self._hooks: list = []
 
     def shard_grad_of(self, buf: torch.Tensor) -> torch.Tensor | None:
@@ -290,8 +248,22 @@ class BufferPair:
                 )
 
     @property
+    def accum(self) -> torch.Tensor:
+        """The main thread's gradient sums, once the round in flight has taken its copy of them (``LentSums``):
+        whoever gets ``accum`` may write it."""
+        self.reclaim()
+        return self._accum
+
+    def reclaim(self) -> None:
+        """Wait (host, then device) until the round in flight has copied the sums it was handed out of ``accum``."""
+        lent = self._lent
+        if lent is not None:
+            lent.wait()
+            self._lent = None
+
+    @property
     def separate(self) -> bool:
-        return self.wire is not self.accum
+        return self.wire is not self._accum
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         # Runs when autograd has finished p's gradient for this backward: accumulate it in fp32, free it.
@@ -302,6 +274,8 @@ class BufferPair:
                 "parameters, and the accumulation buffer may hold the training ones): call optimizer.train() (or "
                 "leave committed_parameters()) before training."
             )
+        if self._lent is not None:  # the first gradient of a half: after the round's copy of the last half's sums
+            self.reclaim()
         # (p.grad is set: a post-accumulate-grad hook runs after autograd has written it)
         i, view, grad = self._index[id(p)], self.grad_views[id(p)], cast(torch.Tensor, p.grad)
         if isinstance(grad, DTensor):  # FSDP2: this rank's shard of the machine's reduced gradient
@@ -330,21 +304,31 @@ class BufferPair:
     def clear_touched(self) -> None:
         self.touched[:] = bytes(len(self.touched))
 
-    def hand_over(self, swap: bool) -> torch.Tensor:
-        """Give ``accum``'s sums to the next round: returns the buffer the round will own (``wire``).
+    def hand_over(self, swap: bool) -> tuple[torch.Tensor, LentSums | None]:
+        """Give ``accum``'s sums to the next round: the buffer the round will own (``wire``), and the copy of the
+        sums the round makes first (``LentSums.take``; None: nothing to copy, or copied here).
 
         ``swap``: the step's sums go (accumulation restarts from zero); else half B goes on accumulating on top of
         them. Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
+        self.reclaim()  # the previous round's copy (waited for already: this orders the main stream after it)
         self._zero_unwritten()
-        if self.separate:
-            if self.packed is not None:  # quantised into the round's buffer (a swap restarts ``accum`` from zero)
-                self.packed.pack_sums(self.wire, self.accum, self.comm_dtype)
-            elif swap and self.swappable:  # the round takes the sums; the main thread restarts from the old buffer
-                self.wire, self.accum = self.accum, self.wire
-                self.grad_views = self._views_of[id(self.accum)]
-            else:  # a copy, cast to the wire's dtype (each rank's fp32 sums rounded once)
-                self.grads_of(self.wire).copy_(self.accum)
-        return self.wire
+        accum, wire = self._accum, self.wire
+        if not self.separate:
+            return wire, None
+        if self.packed is not None:  # quantised into the round's buffer (a swap restarts ``accum`` from zero)
+            self.packed.pack_sums(wire, accum, self.comm_dtype)
+        elif swap and self.swappable:  # the round takes the sums; the main thread restarts from the old buffer
+            self.wire, self._accum = accum, wire
+            self.grad_views = self._views_of[id(self._accum)]
+        else:  # a copy, cast to the wire's dtype (each rank's fp32 sums rounded once), made by the round
+            grads = self.grads_of(wire)
+            self._lent = LentSums(lambda: grads.copy_(accum), self.device)
+            return wire, self._lent
+        return self.wire, None
+
+    def cancel_lend(self) -> None:
+        """A round that was never launched: ``accum`` is the main thread's again, its sums untouched."""
+        self._lent = None
 
     def _zero_unwritten(self) -> None:
         """``accum`` holds exactly the sums: zero where no gradient was written since ``release_accum`` (a parameter
@@ -356,7 +340,7 @@ class BufferPair:
         for i, p in enumerate(self.owners):
             if not self.written[i]:
                 views[id(p)].zero_()
-        self.accum[self.layout.numel :].zero_()
+        self._accum[self.layout.numel :].zero_()
         self.stale = False
 
     def restart(self, swap: bool) -> None:

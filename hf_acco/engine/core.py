@@ -43,12 +43,13 @@ from hf_acco.comm.deltas import CHANGE_DTYPES, GATHER_DTYPES, DeltaGather, quant
 from hf_acco.comm.groups import warn_if_one_hardware_queue
 from hf_acco.comm.quant import ErrorFeedback
 from hf_acco.comm.sharding import FlatLayout, trainable_parameters
-from hf_acco.engine.buffers import BufferPair, check_grad_dtype, model_dtype, packing, parse_comm_dtype, parse_wire
+from hf_acco.engine.buffers import BufferPair, check_grad_dtype, model_dtype, parse_comm_dtype, parse_wire
 from hf_acco.engine.fsdp import check_fsdp, local_data
 from hf_acco.engine.halves import halves_for, round_ends_soon
 from hf_acco.engine.inflight import RoundInFlight
 from hf_acco.engine.lifecycle import EngineLifecycle
 from hf_acco.engine.optim import ShardOptimizer, check_elementwise
+from hf_acco.engine.packing import packing
 from hf_acco.engine.rounds import RoundBody, RoundResult, check_nonfinite
 from hf_acco.engine.schedule import (
     STEP_END,
@@ -218,7 +219,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
 
     def _build_buffers(self, wire: torch.dtype, sums: torch.dtype, **packed: Any) -> BufferPair:
         """The gradient buffer pair, on the parameters' device, checked alike on every rank (collective); the round's
-        packed where it saves memory (``buffers.packs_round``; ``packed``: its change_bits and error_feedback)."""
+        packed where it saves memory (``packing.packs_round``; ``packed``: its change_bits and error_feedback)."""
         separate = self.schedule is not Schedule.SYNC
         packed_round = packing(self.comm, self.layout, self._params, wire, sums, separate=separate, **packed)
         buffers = BufferPair(

@@ -49,7 +49,7 @@ class RoundInFlight:
         the round's ``done`` event comes after the work it queued, on whatever stream (the event it returns)."""
         if self.current is not None:
             raise AssertionError("a round is still in flight")  # invariant: one round at a time
-        buf = self.buffers.hand_over(swap)  # from here on the round owns ``buf``
+        buf, lent = self.buffers.hand_over(swap)  # from here on the round owns ``buf``
         grads, params = self.buffers.grads_of(buf), self.buffers.params_of(buf)
         # to the host group; a weight on the device is read by the round (the main thread never waits on it)
         counts = [weight, float(micro_batches), 1.0 if joined else 0.0]
@@ -58,6 +58,8 @@ class RoundInFlight:
         everyone_in = inflight.everyone_in
 
         def run() -> RoundResult:
+            if lent is not None:  # the half's sums into ``buf`` first: the main thread's next hook waits for it
+                lent.take()
             copied = before() if before is not None else None
             try:
                 return self.body(kind, grads, params, counts, hparams, everyone_in, label, touched)
@@ -65,7 +67,13 @@ class RoundInFlight:
                 if copied is not None:
                     torch.cuda.current_stream().wait_event(copied)
 
-        inflight.handle = self.runner.launch(run)
+        try:
+            inflight.handle = self.runner.launch(run)
+        except BaseException:
+            self.buffers.cancel_lend()  # never launched: the sums stay in ``accum``, no copy to wait for
+            raise
+        if lent is not None:  # a round that fails before its copy must not leave the next writer of ``accum`` waiting
+            inflight.handle.future.add_done_callback(lambda _: lent.release())
         self.current = inflight
         self.buffers.restart(swap)
 

@@ -44,16 +44,9 @@ from hf_acco.comm import quant
 from hf_acco.comm.deltas import GATHER_DTYPES, check_gather_dtype
 from hf_acco.comm.nodes import machines
 from hf_acco.comm.sharding import FlatLayout
-from hf_acco.engine.buffers import (
-    ACCUM_DTYPE,
-    SHARD_GRAD_DTYPE,
-    check_grad_dtype,
-    comm_allocation,
-    packed_bytes,
-    packs_round,
-    shard_grad_room,
-)
+from hf_acco.engine.buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
 from hf_acco.engine.optim import estimate_window
+from hf_acco.engine.packing import packed_bytes, packs_round
 from hf_acco.tools.cli_types import GPUS, POSITIVE_FLOAT, POSITIVE_INT
 from hf_acco.tools.model_shape import shape_and_activations
 from hf_acco.tools.wire_pool import residual_bytes, wire_pool
