@@ -41,7 +41,9 @@ def _rounds(opt: Any, count: int, walls: list[float]) -> None:
     buffers = opt.buffers
     for i in range(count):
         kind = RoundKind.COMMIT if i % 2 else RoundKind.ESTIMATE
-        buf = buffers.hand_over(swap=kind is RoundKind.COMMIT)
+        buf, lent = buffers.hand_over(swap=kind is RoundKind.COMMIT)
+        if lent is not None:  # the round's copy of the sums (random gradients overwrite it below)
+            lent.take()
         buffers.grads_of(buf).normal_(generator=torch.Generator().manual_seed(i))
         start = time.perf_counter()
         opt._round(kind, buffers.grads_of(buf), buffers.params_of(buf), [4.0, 4.0, 0.0], opt._hparams(),

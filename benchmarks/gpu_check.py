@@ -1,5 +1,6 @@
 """The GPU check in one command: the GPU test tier, then ACCOTrainer against Trainer on a ~1B Llama, then memory
-against the memory report. One results file and a table.
+against the memory report, then the gradient hook's accumulation kernel and its alternatives
+(``benchmarks/accumulate_kernels.py``). One results file and a table.
 
     make gpu-check                                   # on one GPU: under 8 minutes, imports included
     python benchmarks/gpu_check.py [--out benchmarks/results] [--steps 12] [--skip_tests]
@@ -250,6 +251,18 @@ def gpu_tests(report: Path) -> dict:
     return {"returncode": done.returncode, **counts, "failed": failed, "tail": done.stdout[-1500:]}
 
 
+def accumulation_kernels(args: argparse.Namespace) -> dict:
+    """``benchmarks/accumulate_kernels.py`` on this device, in a process of its own (its result, or its error)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "kernels.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "accumulate_kernels.py"), "--device", args.device,
+               "--out", str(file), *(["--tiny"] if args.tiny else [])]  # fmt: skip
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode or not file.exists():
+            return {"error": done.stderr[-3000:]}
+        return json.loads(file.read_text())
+
+
 def verdicts(runs: dict[str, dict]) -> dict:
     base = runs.get("trainer_bf16")
     out: dict = {}
@@ -294,6 +307,10 @@ def table(result: dict) -> str:
         rows.append(f"\nGPU tier: {passed} of {ran} passed{failed}")
     for name, v in result["verdicts"].items():
         rows.append(f"- {name}: {'ok' if v['ok'] else 'NOT MET'} ({ {k: v[k] for k in v if k != 'ok'} })")
+    kernels = result.get("accumulation_kernels", {}).get("variants")
+    if kernels:  # ms per pass over every parameter (one micro-batch's gradients), and the bandwidth it makes
+        figures = ", ".join(f"{k} {v['ms']:.2f} ms ({v['GB_per_s']:.0f} GB/s)" for k, v in kernels.items())
+        rows.append(f"\nAccumulating one micro-batch's gradients: {figures}")
     return "\n".join(rows)
 
 
@@ -313,6 +330,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro_batches", type=int, default=4, help="gradient_accumulation_steps")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--skip_tests", action="store_true", help="leave the GPU test tier out")
+    p.add_argument("--skip_kernels", action="store_true", help="leave the accumulation kernels' timing out")
     p.add_argument("--run", choices=METHODS, help=argparse.SUPPRESS)  # one method, in a process of its own
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -361,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["runs_failed"] = {**result.get("runs_failed", {}), method: done.stderr[-3000:]}
                 continue
             result["runs"][method] = json.loads(file.read_text())
+        write()
+    if not args.skip_kernels:  # last, seconds: the hook's kernel and its alternatives (accumulate_kernels.py)
+        result["accumulation_kernels"] = accumulation_kernels(args)
         write()
     write()
     print(table(result))

@@ -90,7 +90,9 @@ def _rank(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
     switches: list[int | None] = []
     for i in range(rounds):
         kind = RoundKind.COMMIT if i % 2 else RoundKind.ESTIMATE
-        buf = buffers.hand_over(swap=kind is RoundKind.COMMIT)
+        buf, lent = buffers.hand_over(swap=kind is RoundKind.COMMIT)
+        if lent is not None:  # the round's copy of the sums (random gradients overwrite it below)
+            lent.take()
         grads = buffers.grads_of(buf)
         grads.normal_(generator=torch.Generator().manual_seed(1000 * rank + i))
         dist.barrier()

@@ -26,6 +26,9 @@ def test_the_gpu_check_runs_every_method_and_writes_its_results_file(tmp_path: P
     assert set(result["verdicts"]) >= {"acco_acco_vs_trainer_bf16", "acco_sync_vs_trainer_bf16"}
     assert result["command"].startswith("python benchmarks/gpu_check.py --device cpu")
     assert "| acco_acco |" in done.stdout
+    kernels = result["accumulation_kernels"]["variants"]  # the hook's kernel and its alternatives, timed
+    assert {"add_", "add_float", "copy_", "bf16_add_"} <= set(kernels) and kernels["add_float"]["equals_add_"]
+    assert all(v["ms"] > 0 for v in kernels.values()) and "Accumulating one micro-batch" in done.stdout
 
 
 def test_without_a_gpu_the_default_says_what_to_run_instead(tmp_path: Path) -> None:

@@ -1,0 +1,139 @@
+"""What the engine's gradient hook costs per micro-batch on this device, and what the alternatives would: each
+parameter's bf16 gradient added into its fp32 view of the accumulation buffer, one call per parameter, for every
+parameter of gpu_check's ~0.95B Llama (its shapes, from a model on the meta device).
+
+    python benchmarks/accumulate_kernels.py                      # on a GPU; gpu_check.py runs it as one of its parts
+    python benchmarks/accumulate_kernels.py --device cpu --tiny  # the plumbing
+
+Variants, each over every parameter (the hook's pattern: one kernel per parameter as autograd finishes it):
+
+* ``add_``: ``view.add_(grad)``, what the hook runs for a micro-batch's 2nd and later gradients (fp32 += bf16: a
+  mixed-dtype TensorIterator kernel);
+* ``add_float``: ``view.add_(grad.float())``: a cast kernel, then an fp32 += fp32 one;
+* ``triton``: one Triton kernel that loads both, converts and adds (where Triton is installed, on CUDA);
+* ``copy_``: ``view.copy_(grad)``, the hook's first gradient of a step;
+* ``bf16_add_``: ``bf16.add_(grad)``, what autograd does when Trainer accumulates bf16 gradients in ``p.grad``.
+
+Per variant: milliseconds per pass over all parameters (the median of ``--passes``, between CUDA events), the bytes
+per element the operation needs (read and written; ``add_float`` moves 18: its cast's output goes through memory)
+and the bandwidth that makes, and whether its sums equal ``add_``'s bit for bit. A measurement of one
+device's kernels, not a test: which way the hook should add is decided from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shapes(tiny: bool) -> list[tuple[int, ...]]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**gpu_check.model_config(tiny)))
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def triton_add():  # noqa: ANN201
+    """``acc += grad`` (fp32 += bf16, both contiguous, one dimension) in one Triton kernel, or None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(acc_ptr, grad_ptr, n, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202, N803
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        acc = tl.load(acc_ptr + offsets, mask=mask)
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        tl.store(acc_ptr + offsets, acc + grad, mask=mask)
+
+    def add(acc, grad) -> None:  # noqa: ANN001
+        n = acc.numel()
+        kernel[(triton.cdiv(n, 4096),)](acc, grad, n, BLOCK=4096)
+
+    return add
+
+
+def measure(device: str, tiny: bool, passes: int) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    dims = shapes(tiny)
+    numel = sum(torch.Size(s).numel() for s in dims)
+    accum = torch.zeros(numel, dtype=torch.float32, device=device)
+    views = list(torch.split(accum, [torch.Size(s).numel() for s in dims]))
+    grads = [torch.randn(torch.Size(s).numel(), device=device).to(torch.bfloat16) for s in dims]
+    bf16 = [torch.zeros_like(g) for g in grads]
+    variants = {
+        "add_": (lambda: [v.add_(g) for v, g in zip(views, grads)], 10),
+        "add_float": (lambda: [v.add_(g.float()) for v, g in zip(views, grads)], 10),
+        "copy_": (lambda: [v.copy_(g) for v, g in zip(views, grads)], 6),
+        "bf16_add_": (lambda: [b.add_(g) for b, g in zip(bf16, grads)], 6),
+    }
+    add = triton_add() if device == "cuda" else None
+    if add is not None:
+        variants["triton"] = (lambda: [add(v, g) for v, g in zip(views, grads)], 10)
+    cuda = device == "cuda"
+    out: dict = {"params": len(dims), "numel": numel, "variants": {}}
+    reference = None
+    for name, (run, nbytes) in variants.items():
+        accum.fill_(0.5)
+        run()  # warm-up (Triton compiles here)
+        times = []
+        for _ in range(passes):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+        seconds = statistics.median(times)
+        figure = {"ms": seconds * 1e3, "bytes_per_element": nbytes, "GB_per_s": nbytes * numel / seconds / 1e9}
+        if name in ("add_", "add_float", "triton"):  # the same sums from the same start: 0.5 + (passes + 1) grads
+            accum_now = accum.clone()
+            reference = accum_now if reference is None else reference
+            figure["equals_add_"] = bool(torch.equal(accum_now, reference))
+        out["variants"][name] = figure
+    out["triton"] = add is not None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/accumulate_kernels.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true", help="gpu_check's tiny model (the plumbing, on CPU)")
+    p.add_argument("--passes", type=int, default=5, help="timed passes over every parameter, after one warm-up")
+    p.add_argument("--out", help="write the result here (JSON)")
+    args = p.parse_args(argv)
+    result = {"command": "python benchmarks/accumulate_kernels.py " + " ".join(argv or sys.argv[1:]),
+              **measure(args.device, args.tiny, args.passes)}  # fmt: skip
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
