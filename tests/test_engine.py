@@ -328,3 +328,21 @@ def test_the_round_copies_the_sums_and_the_next_half_waits_for_it() -> None:
     prompt, late = (run_ranks(_late_copy, delay=d)[0] for d in (0.0, 0.3))
     assert prompt["copies"] == late["copies"] == 0  # no full-buffer copy on the main thread at a boundary
     assert all(torch.equal(a, b) for a, b in zip(prompt["params"], late["params"]))
+
+
+def _integer_weights(rank: int, world_size: int) -> tuple[float, float]:
+    model = tiny_llama()
+    opt = ACCOOptimizer(model.parameters(), lr=1e-2, micro_batches=2, schedule="sync")
+    for i, tokens in enumerate((2**24, 1)):  # int64 counts on the device, as a hand-written loop may pass them
+        mean_loss(model, batch(rank, i))[0].backward()
+        opt.after_backward(torch.tensor(tokens))
+    opt.step()
+    opt.synchronize()
+    figures = opt.last_commit.local_weight, opt.last_commit.weight
+    opt.close()
+    return figures
+
+
+def test_weights_kept_on_the_device_are_summed_exactly() -> None:
+    """A half's device weights are summed in float64 where they are (2^24 + 1 is not a float32)."""
+    assert run_ranks(_integer_weights)[0] == (2**24 + 1, 2 * (2**24 + 1))

@@ -12,6 +12,7 @@ import torch
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.buffers import BufferPair
 from hf_acco.engine.halves import DynamicHalves, FixedHalves, InFlight
+from hf_acco.engine.handover import ROUND_THREAD, LentSums
 from hf_acco.engine.optim import ShardOptimizer
 from hf_acco.engine.rounds import RoundBody, RoundResult
 from hf_acco.engine.schedule import STEP_END, Phase, RoundKind, Schedule, first_phase, parse_settings, schedule_at
@@ -217,6 +218,45 @@ def test_gradients_accumulate_in_fp32_and_the_round_takes_them_by_swap_or_copy()
     assert model.weight.grad is not None  # hooks gone: autograd's own .grad again
 
 
+def test_a_lent_buffer_waits_for_the_rounds_copy_and_never_hangs_its_writer() -> None:
+    """The next writer of ``accum`` waits until the round's copy is made (on another thread); a round that fails
+    before its copy, or one never launched, releases it; the round's own thread never waits for itself."""
+    made: list[str] = []
+    lent = LentSums(lambda: made.append("copy"), torch.device("cpu"))
+    writer = threading.Thread(target=lambda: (lent.wait(), made.append("write")))
+    writer.start()
+    writer.join(0.2)
+    assert writer.is_alive() and made == []  # still waiting: no copy yet
+    threading.Thread(target=lent.take, name=ROUND_THREAD).start()
+    writer.join(5)
+    assert made == ["copy", "write"]
+
+    failed = LentSums(lambda: None, torch.device("cpu"))
+    failed.release()  # (the round's future ended before its copy: RoundInFlight's done callback)
+    failed.wait()  # returns
+    mine: list[BaseException] = []
+    own = LentSums(lambda: None, torch.device("cpu"))
+    waiter = threading.Thread(target=lambda: _catch(own.wait, mine), name=ROUND_THREAD)
+    waiter.start()
+    waiter.join(5)
+    assert isinstance(mine[0], AssertionError)
+
+    model, pair = _pair(separate=True)
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    _, lent = pair.hand_over(swap=False)
+    assert lent is not None
+    pair.cancel_lend()  # the launch failed: the sums stay, and the next backward does not wait for a copy
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    assert pair.hook_calls == 4
+
+
+def _catch(fn, into: list) -> None:  # noqa: ANN001
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001
+        into.append(e)
+
+
 def test_one_buffer_without_overlap_goes_back_to_accumulating_after_the_round() -> None:
     model, pair = _pair(separate=False)
     model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
@@ -250,6 +290,12 @@ def test_statistics_count_each_round_once() -> None:
     stats.step_ended(1, micro_batches=2)
     assert stats.last_step_stats["global_micro_batches"] == 4.0 and stats.last_step_stats["grad_norm"] == 1.5
     assert stats.last_step_stats["weight"] == 3.0 and stats.totals["weight"] == 3.0  # the round's, counted once
+    saved = stats.state_dict()  # what a checkpoint keeps: readable by a version without the local weight
+    assert "local_weight" not in saved["last_commit"]
+    saved["last_commit"]["from_a_newer_version"] = 1.0  # and fields this version does not know are left aside
+    resumed = EngineStats()
+    resumed.load_state_dict(saved)
+    assert resumed.last_commit == RoundResult(RoundKind.COMMIT, 8.0, 4, 1.5, 0.2)
     assert stats.totals["global_micro_batches"] == 4 and stats.totals["wait_s"] == 0.1 and stats.wait_s == 0.0
 
 

@@ -150,7 +150,7 @@ class BufferPair:
         self.param_dtype = model_dtype(self.params)
         check_grad_dtype(grad_dtype, comm_dtype, self.param_dtype)
         self._accum = layout.new_flat(device, dtype=grad_dtype)
-        self._lent: LentSums | None = None  # ``_accum`` lent to the round in flight until it has copied the sums
+        self._lent: LentSums | None = None  # the last hand-over's copy, made by its round: writers of ``_accum`` wait
         self.packed = packed  # the round's buffer holds int8 rows (deltas.PackedRound), packed at the hand-over
         # the two buffers can swap roles when they are alike (the wire in the sums' dtype); else the round gets a copy
         self.swappable = swappable(self.param_dtype, comm_dtype, grad_dtype) and packed is None
@@ -218,7 +218,7 @@ class BufferPair:
         earlier = {}
         for p in self.owners:
             owner = _OWNERS[id(p)]() if id(p) in _OWNERS else None
-            if owner is not None and owner is not self and owner._hooks and id(p) in owner._views_of[id(owner.accum)]:
+            if owner is not None and owner is not self and owner._hooks and id(p) in owner._views_of[id(owner._accum)]:
                 earlier[id(owner)] = owner
         for owner in earlier.values():
             warnings.warn(
@@ -255,11 +255,11 @@ class BufferPair:
         return self._accum
 
     def reclaim(self) -> None:
-        """Wait (host, then device) until the round in flight has copied the sums it was handed out of ``accum``."""
+        """Wait until the last hand-over's round has copied the sums out of ``accum``: on the host, then this stream
+        (each stream a writer uses waits once; the lend is kept until the next hand-over)."""
         lent = self._lent
         if lent is not None:
             lent.wait()
-            self._lent = None
 
     @property
     def separate(self) -> bool:
@@ -274,8 +274,8 @@ class BufferPair:
                 "parameters, and the accumulation buffer may hold the training ones): call optimizer.train() (or "
                 "leave committed_parameters()) before training."
             )
-        if self._lent is not None:  # the first gradient of a half: after the round's copy of the last half's sums
-            self.reclaim()
+        if self._lent is not None:  # after the round's copy of the last half's sums (a no-op once this stream waited)
+            self._lent.wait()
         # (p.grad is set: a post-accumulate-grad hook runs after autograd has written it)
         i, view, grad = self._index[id(p)], self.grad_views[id(p)], cast(torch.Tensor, p.grad)
         if isinstance(grad, DTensor):  # FSDP2: this rank's shard of the machine's reduced gradient
@@ -311,6 +311,7 @@ class BufferPair:
         ``swap``: the step's sums go (accumulation restarts from zero); else half B goes on accumulating on top of
         them. Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
         self.reclaim()  # the previous round's copy (waited for already: this orders the main stream after it)
+        self._lent = None
         self._zero_unwritten()
         accum, wire = self._accum, self.wire
         if not self.separate:
@@ -328,6 +329,8 @@ class BufferPair:
 
     def cancel_lend(self) -> None:
         """A round that was never launched: ``accum`` is the main thread's again, its sums untouched."""
+        if self._lent is not None:
+            self._lent.release()
         self._lent = None
 
     def _zero_unwritten(self) -> None:

@@ -279,8 +279,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
             self.buffers.check_devices()
         self.halves.micro_batch_ended()
         self._half_count += 1
-        # a weight on the device (Trainer's token counts) stays there: the round reads it (RoundBody._run)
-        self._half_weight = self._half_weight + (weight if torch.is_tensor(weight) else float(weight))
+        w = weight.detach().to(torch.float64) if torch.is_tensor(weight) else float(weight)  # a device weight stays:
+        self._half_weight = self._half_weight + w  # summed in float64 where it is, read by the round (RoundBody._run)
         if self.phase is Phase.ESTIMATE and self._half_done():
             self._boundary_estimate_to_correction()
         if self.auto_step and self.ready_to_step():

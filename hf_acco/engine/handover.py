@@ -7,10 +7,13 @@ Ordering on CUDA (the invariant at each sync point):
 * before the copy: the round's stream has waited for the launch's ``ready`` event, recorded on the main stream after
   the half's last gradient was added into ``accum`` and ``hand_over`` zeroed what nothing wrote;
 * ``taken`` is recorded on the round's stream after the copy;
-* the next writer of ``accum`` (a gradient hook of the next half, on autograd's thread; or the main thread at a step
-  boundary, evaluation or a checkpoint, which use ``accum`` as scratch) first waits on the host until the copy has
-  been queued (a ``threading.Event``: a stream told to wait for an event not yet recorded would not wait at all),
-  then makes its own stream wait for ``taken``: on the device, the host goes on.
+* every writer of ``accum`` until the next hand-over (the next half's gradient hooks, on autograd's thread, on the
+  stream each parameter's backward ran on; or the main thread at a step boundary, evaluation or a checkpoint, which
+  use ``accum`` as scratch) first waits on the host until the copy has been queued (a ``threading.Event``: a stream
+  told to wait for an event not yet recorded would not wait at all), then makes its own stream wait for ``taken``,
+  once per stream: on the device, the host goes on.
+
+The round's thread never waits here (it would wait for itself): ``wait`` refuses to run there.
 
 On CPU the copy is over when the host event is set. Torch only.
 """
@@ -22,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+ROUND_THREAD = "acco-round"  # the name of the round's thread (runner.RoundRunner)
+
 
 class LentSums:
     """``accum`` lent to a round until its copy is made (``take`` on the round's thread, ``wait`` by the writer)."""
@@ -31,6 +36,7 @@ class LentSums:
         self._device = device
         self._queued = threading.Event()
         self._taken: torch.cuda.Event | None = None
+        self._ordered: set[int] = set()  # the streams made to wait for ``taken``
 
     def take(self) -> None:
         """The round's first work, on its thread and stream: copy the sums, then let the writer go on (whatever
@@ -49,7 +55,13 @@ class LentSums:
         self._queued.set()
 
     def wait(self) -> None:
-        """Before writing ``accum`` again: the copy queued (host), then this stream after it (device)."""
-        self._queued.wait()
+        """Before writing ``accum`` again: the copy queued (host), then this stream after it (device, once)."""
+        if not self._queued.is_set():
+            if threading.current_thread().name == ROUND_THREAD:
+                raise AssertionError("the round's thread waited for its own copy of the sums")  # invariant
+            self._queued.wait()
         if self._taken is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._taken)
+            stream = torch.cuda.current_stream(self._device)
+            if stream.stream_id not in self._ordered:
+                stream.wait_event(self._taken)
+                self._ordered.add(stream.stream_id)

@@ -15,6 +15,7 @@ import torch
 
 from hf_acco.engine.buffers import BufferPair
 from hf_acco.engine.halves import FixedHalves, InFlight
+from hf_acco.engine.handover import LentSums
 from hf_acco.engine.rounds import RoundBody, RoundResult
 from hf_acco.engine.runner import CompletedRound, RoundRunner
 from hf_acco.engine.schedule import RoundKind
@@ -50,15 +51,35 @@ class RoundInFlight:
         if self.current is not None:
             raise AssertionError("a round is still in flight")  # invariant: one round at a time
         buf, lent = self.buffers.hand_over(swap)  # from here on the round owns ``buf``
+        try:
+            counts = [weight, float(micro_batches), 1.0 if joined else 0.0]
+            inflight = self._start(kind, buf, lent, swap, hparams, label, before, counts)
+        except BaseException:
+            self.buffers.cancel_lend()  # never launched: the sums stay in ``accum``, no copy to wait for
+            raise
+        self.current = inflight
+        self.buffers.restart(swap)
+
+    def _start(
+        self,
+        kind: RoundKind,
+        buf: torch.Tensor,
+        lent: LentSums | None,
+        swap: bool,
+        hparams: list,
+        label: str,
+        before: Callable[[], torch.cuda.Event | None] | None,
+        counts: list,
+    ) -> InFlight:
+        """Launch the round over ``buf`` (``lent``: the copy of the sums it makes first). ``counts``: to the host
+        group; a weight on the device is read by the round (the main thread never waits on it)."""
         grads, params = self.buffers.grads_of(buf), self.buffers.params_of(buf)
-        # to the host group; a weight on the device is read by the round (the main thread never waits on it)
-        counts = [weight, float(micro_batches), 1.0 if joined else 0.0]
         touched = self.buffers.take_touched(reset=swap)  # the parameters these sums hold a gradient of
         inflight = InFlight(None, kind)  # type: ignore[arg-type]
         everyone_in = inflight.everyone_in
 
         def run() -> RoundResult:
-            if lent is not None:  # the half's sums into ``buf`` first: the main thread's next hook waits for it
+            if lent is not None:  # the half's sums into ``buf`` first: the next writer of ``accum`` waits for it
                 lent.take()
             copied = before() if before is not None else None
             try:
@@ -67,15 +88,10 @@ class RoundInFlight:
                 if copied is not None:
                     torch.cuda.current_stream().wait_event(copied)
 
-        try:
-            inflight.handle = self.runner.launch(run)
-        except BaseException:
-            self.buffers.cancel_lend()  # never launched: the sums stay in ``accum``, no copy to wait for
-            raise
+        inflight.handle = self.runner.launch(run)
         if lent is not None:  # a round that fails before its copy must not leave the next writer of ``accum`` waiting
             inflight.handle.future.add_done_callback(lambda _: lent.release())
-        self.current = inflight
-        self.buffers.restart(swap)
+        return inflight
 
     def completed(self, kind: RoundKind) -> None:
         """A round whose output is already in ``buffers.wire`` (its parameters' view; after a resume)."""

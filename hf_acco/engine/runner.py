@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hf_acco.engine.handover import ROUND_THREAD
+
 
 @dataclass
 class RoundHandle:
@@ -66,7 +68,7 @@ class RoundRunner:
         # kernels, so a round is not held up behind a whole micro-batch of them and the next boundary waits less.
         self._stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name="acco-round", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=ROUND_THREAD, daemon=True)
         self._thread.start()
 
     def _work(self) -> None:

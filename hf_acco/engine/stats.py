@@ -43,8 +43,9 @@ class EngineStats:
         """What a resumed run needs to log as the uninterrupted one does: the latest commit round (its grad norm and
         global micro-batches are logged at the next step) and the counts that add up the whole run."""
         last = None
-        if self.last_commit is not None:
-            last = {**dataclasses.asdict(self.last_commit), "kind": self.last_commit.kind.value}
+        if self.last_commit is not None:  # (this rank's weight in it is not saved: checkpoints stay readable by the
+            last = {**dataclasses.asdict(self.last_commit), "kind": self.last_commit.kind.value}  # versions before it)
+            last.pop("local_weight")
         return {"last_commit": last, **{k: self.totals[k] for k in ("skipped_steps", "global_micro_batches")}}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -53,6 +54,9 @@ class EngineStats:
         if not state:  # a checkpoint written before these were saved
             return
         last = state.get("last_commit")
+        if last is not None:  # the fields this version knows (a newer one may save more)
+            known = {f.name for f in dataclasses.fields(RoundResult)}
+            last = {k: v for k, v in last.items() if k in known}
         self.last_commit = None if last is None else RoundResult(**{**last, "kind": RoundKind(last["kind"])})
         for key in ("skipped_steps", "global_micro_batches"):
             self.totals[key] = float(state.get(key, 0.0))
