@@ -359,6 +359,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "bench-ab-lazy-zero": lambda: results_docs.bench_ab_table("0abc56d_vs_81a160a"),
     "bench-ab-fsdp-engine": lambda: results_docs.bench_ab_table("b73aaa4_vs_6182267"),
     "bench-ab-packed-round": lambda: results_docs.bench_ab_table("e753052_vs_b6b86a4"),
+    "bench-ab-off-the-main-stream": lambda: results_docs.bench_ab_table("e08c78f_vs_0c8c23c"),
     "bench-ab-gloo-all-gather-first": lambda: results_docs.bench_ab_table("691166d_vs_691166d-dirty"),
     "beside-bisect": lambda: results_docs.beside_table(
         "bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")
