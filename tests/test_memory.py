@@ -35,7 +35,7 @@ class Allocations(TorchDispatchMode):
         return out
 
 
-BOUNDARY = "acco: the boundary's model shard (model dtype, pinned on a GPU)"
+BOUNDARY = "acco: the boundary's model shard (model dtype, pinned; not under ACCOTrainer)"
 ESTIMATE = "round: Adam estimate windows"
 
 
@@ -69,8 +69,11 @@ def _held(
     }
     report = engine_memory_of(opt)
     out = dict(report.persistent)
-    if schedule == "acco":  # on the host, in the model's dtype
+    if schedule == "acco":  # on the host, in the model's dtype; none where the engine keeps no copy (ACCOTrainer's)
         held[BOUNDARY], out[BOUNDARY] = opt._boundary.copy.nbytes, report.host[BOUNDARY]
+        opt._boundary_copy = False
+        assert BOUNDARY not in engine_memory_of(opt).host
+        opt._boundary_copy = True
         assert opt._boundary.copy.device.type == "cpu" and opt._boundary.copy.dtype == model_dtype
         # the estimate's temporaries, where the round writes it (rounds.py: its own pieces, or over the gradient)
         buf, shard = opt.buffers.wire, opt.shard

@@ -109,12 +109,14 @@ def engine_memory(
     error_feedback: bool = False,
     fsdp_shard: int = 1,
     packed: bool | None = None,
+    boundary_copy: bool = True,
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks. ``fsdp_shard``: the
     ranks of a machine that shard the model with FSDP2 (docs/hsdp.md): the engine then holds one FSDP shard's
     numbers (``numel / fsdp_shard`` elements: FSDP splits each parameter's first dimension, within a row of even)
     and its rounds run over ``world_size / fsdp_shard`` ranks, one per machine. ``packed``: whether the round's buffer
-    holds int8 rows (None: the engine's rule for these settings)."""
+    holds int8 rows (None: the engine's rule for these settings). ``boundary_copy``: acco's host copy of the
+    boundary's model shard (``ACCOOptimizer(boundary_copy=...)``: kept by hand-written loops, not by ACCOTrainer)."""
     if fsdp_shard > 1:
         if world_size % fsdp_shard:
             raise ValueError(f"world_size ({world_size}) is machines x fsdp_shard: {fsdp_shard} does not divide it")
@@ -167,8 +169,10 @@ def engine_memory(
     if fsdp_shard > 1:  # FSDP's own, beside the activations (neither counted): the layers it has all-gathered
         temporaries["FSDP: the unsharded layers of the forward and backward (not counted: a layer or two)"] = 0
     host = {}
-    if schedule == "acco":
-        host["acco: the boundary's model shard (model dtype, pinned on a GPU)"] = shard * param_dtype.itemsize
+    if schedule == "acco" and boundary_copy:  # (ACCOTrainer saves at step boundaries only: it keeps none)
+        host["acco: the boundary's model shard (model dtype, pinned; not under ACCOTrainer)"] = (
+            shard * param_dtype.itemsize
+        )
     host_transient = {
         "evaluation / saving in the middle of a step: the model (model dtype, full)": full * param_dtype.itemsize,
         "re-sharding resume: this rank's new shard (master, model, moments)": (1 + state_per_element) * shard * fp32
@@ -209,6 +213,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         max_inflight=opt.comm.max_inflight,
         optimizer="fused" if fused else "foreach",
         packed=opt.buffers.packed is not None,
+        boundary_copy=opt._boundary_copy,
     )
 
 
