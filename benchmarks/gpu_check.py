@@ -17,7 +17,8 @@ real collectives there), ``bf16=True``, sdpa attention:
 Per method: the median step time over the steps after ``--warmup`` and before the last three (each step timed
 between CUDA synchronisations at Trainer's step begin and end), tokens per second, the peak and the step-end
 allocated memory, the final loss, and, from a profile of the last three steps, the device-to-host copies they made
-(count, bytes, GPU time); for the ACCO runs the memory report's persistent bytes
+(count, bytes, GPU time; how many the main thread asked for, the rest being the round thread's, which wait only
+for the round's stream); for the ACCO runs the memory report's persistent bytes
 (``hf_acco.tools.memory.engine_memory``) beside what the GPU held at a step end. The file records the GPU, the
 versions and the command; the thresholds it checks are the issue's (acco <= 1.05 x and sync <= 1.03 x Trainer's
 pure-bf16 step, persistent memory within 2 % of the report, no device-to-host copy of data in a step: none over 64
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -189,11 +191,25 @@ def _profile_copies(trainer, args: argparse.Namespace) -> dict:  # noqa: ANN001
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text()).get("traceEvents", [])
+    return device_to_host(events, threading.get_native_id())
+
+
+def device_to_host(events: list[dict], main_thread: int) -> dict:
+    """The device-to-host copies of a chrome trace's profiled steps (count, bytes, GPU time), all and those of more
+    than 64 bytes (data, not a scalar read), and by the thread that asked for them (the CUDA runtime call with the
+    copy's correlation id): ``main_thread`` (its native id: Trainer's loop, where a read makes the host wait for the
+    compute) or another (the round's, which waits alone); the GPU's busy time and its top kernels."""
     copies = [
         e
         for e in events
         if e.get("cat") == "gpu_memcpy" and ("DtoH" in e.get("name", "") or "Device -> P" in e["name"])
     ]
+    caller = {
+        e.get("args", {}).get("correlation"): e.get("tid")
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "Memcpy" in e.get("name", "")
+    }
+    on_main = [e for e in copies if caller.get(e.get("args", {}).get("correlation")) == main_thread]
     sizes = [int(e.get("args", {}).get("bytes", 0)) for e in copies]
     kernels: dict[str, float] = {}
     for e in events:
@@ -203,6 +219,7 @@ def _profile_copies(trainer, args: argparse.Namespace) -> dict:  # noqa: ANN001
     return {
         "steps": PROFILED,
         "count": len(copies),
+        "count_main_thread": len(on_main),  # the rest: other threads (the round's)
         "bytes": sum(sizes),
         "ms": sum(float(e.get("dur", 0)) for e in copies) / 1e3,
         "count_over_64_bytes": len(large),
@@ -280,7 +297,8 @@ def verdicts(runs: dict[str, dict]) -> dict:
         if copies is not None:  # no copy of data; scalar reads no more than Trainer's own (its logging's)
             base_count = (base or {}).get("device_to_host", {}).get("count", 0)
             ok = copies["count_over_64_bytes"] == 0 and copies["count"] <= base_count
-            out[f"{method}_device_to_host"] = {**copies, "trainer_bf16_count": base_count, "ok": ok}
+            figures = {k: copies[k] for k in ("count", "count_main_thread", "count_over_64_bytes") if k in copies}
+            out[f"{method}_device_to_host"] = {**figures, "trainer_bf16_count": base_count, "ok": ok}
     return out
 
 

@@ -35,3 +35,28 @@ def test_without_a_gpu_the_default_says_what_to_run_instead(tmp_path: Path) -> N
     done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "--device cpu --tiny" in done.stderr
+
+
+def test_device_to_host_copies_are_told_apart_by_the_thread_that_asked() -> None:
+    """A profile's device-to-host copies, read from its chrome trace: the main thread's (Trainer's loop: a read there
+    makes the host wait for the compute) apart from the round's, and copies of data apart from scalar reads."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def copy(correlation: int, nbytes: int) -> dict:
+        return {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "dur": 2.0,
+                "args": {"correlation": correlation, "bytes": nbytes}}  # fmt: skip
+
+    def call(correlation: int, tid: int) -> dict:
+        return {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "tid": tid, "args": {"correlation": correlation}}
+
+    events = [copy(1, 4), call(1, 100), copy(2, 8), call(2, 200), copy(3, 4096), call(3, 100),
+              {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"correlation": 4, "bytes": 8}},
+              {"cat": "kernel", "name": "ampere_gemm", "dur": 3000.0}]  # fmt: skip
+    got = gpu_check.device_to_host(events, main_thread=100)
+    assert (got["count"], got["count_main_thread"], got["count_over_64_bytes"]) == (3, 2, 1)
+    assert got["bytes"] == 4108 and got["kernel_ms_per_step"] == 3.0 / gpu_check.PROFILED
