@@ -282,7 +282,7 @@ def cuda_boundary_copies(rank: int, world_size: int) -> dict:
     _cuda_steps(model, opt, 0, 2)
     for i in range(MICRO):  # the next step's micro-batches, then its boundary under the profiler
         mean_loss(model, {k: v.cuda() for k, v in batch(0, 8 + i).items()})[0].backward()
-        opt.after_backward()
+        opt.after_backward(torch.tensor(1.0, device="cuda"))  # a weight on the device, as Trainer's token counts
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         marker = torch.full((1 << 16,), 3.0, device="cuda").neg_()  # a kernel on the main stream, to find it by
@@ -298,7 +298,8 @@ def cuda_boundary_copies(rank: int, world_size: int) -> dict:
 
 
 def test_cuda_no_device_to_host_copy_on_the_main_stream_at_a_step_boundary() -> None:
-    """The boundary's model shard goes to the host on a side stream, from the commit round's thread."""
+    """The boundary's model shard goes to the host on a side stream, from the commit round's thread; the step's
+    device weight is read by the round, on its stream: the main stream copies nothing to the host."""
     got = run_ranks(cuda_boundary_copies, world_size=1, backend="nccl", start_method="spawn", timeout=300)[0]
     assert len(got["main"]) == 1, got
     assert got["dtoh"], "the boundary's copy to the host did not run at all"
