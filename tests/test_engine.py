@@ -213,7 +213,7 @@ def test_a_steps_first_gradient_is_written_over_the_sums_no_zeroing_pass(schedul
 
 def _host_reads_by_thread(rank: int, world_size: int, schedule: str, on_device: bool) -> dict:
     """Device reads (aten._local_scalar_dense: a host sync on a GPU) of the main thread in ``after_backward`` and
-    ``step``, and of each round on its thread, over steady steps with token weights and clipping."""
+    ``step``, and of each round on its thread, over three steps with token weights and clipping."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hf_acco.engine.rounds import RoundBody
