@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.tools.multiprocess import free_port
@@ -145,3 +146,17 @@ def native_stacks(pid: int) -> str:
         elif m := frame.match(line):
             lines.append(f"  {m.group(1)} {m.group(2)}")
     return f"[process {pid}: native stacks]\n" + "\n".join(lines)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts, into ``counts[-1]``, every tensor read on the host in its scope (``.item()``, ``float()``:
+    aten._local_scalar_dense, a device sync on a GPU) of the thread it is entered on, except while ``ignore()``."""
+
+    def __init__(self, counts: list[int], ignore=lambda: False) -> None:  # noqa: ANN001
+        super().__init__()
+        self.counts, self.ignore = counts, ignore
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops.aten._local_scalar_dense.default and not self.ignore():
+            self.counts[-1] += 1
+        return func(*args, **(kwargs or {}))

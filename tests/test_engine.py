@@ -10,7 +10,7 @@ import torch
 from hf_acco import ACCOOptimizer, check_world_size
 from hf_acco.tools.multiprocess import run_ranks
 
-from .helpers import clones
+from .helpers import HostReads, clones
 from .models import batch, mean_loss, tiny_llama, token_sum_loss
 
 
@@ -214,19 +214,7 @@ def test_a_steps_first_gradient_is_written_over_the_sums_no_zeroing_pass(schedul
 def _host_reads_by_thread(rank: int, world_size: int, schedule: str, on_device: bool) -> dict:
     """Device reads (aten._local_scalar_dense: a host sync on a GPU) of the main thread in ``after_backward`` and
     ``step``, and of each round on its thread, over three steps with token weights and clipping."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from hf_acco.engine.rounds import RoundBody
-
-    class Reads(TorchDispatchMode):
-        def __init__(self, counts: list[int]) -> None:
-            super().__init__()
-            self.counts = counts
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            if func is torch.ops.aten._local_scalar_dense.default:
-                self.counts[-1] += 1
-            return func(*args, **(kwargs or {}))
 
     main: list[int] = []
     rounds: list[int] = []
@@ -234,7 +222,7 @@ def _host_reads_by_thread(rank: int, world_size: int, schedule: str, on_device: 
 
     def counted(self, *args, **kwargs):  # noqa: ANN001, ANN202
         rounds.append(0)
-        with Reads(rounds):
+        with HostReads(rounds):
             return original(self, *args, **kwargs)
 
     RoundBody.__call__ = counted
@@ -251,10 +239,10 @@ def _host_reads_by_thread(rank: int, world_size: int, schedule: str, on_device: 
                 loss.backward()
                 weight = torch.tensor(float(tokens), dtype=torch.float64) if on_device else float(tokens)
                 main.append(0)
-                with Reads(main):
+                with HostReads(main):
                     opt.after_backward(weight)
             main.append(0)
-            with Reads(main):
+            with HostReads(main):
                 opt.step()
         opt.synchronize()
         weight = opt.last_commit.local_weight

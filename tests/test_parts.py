@@ -12,9 +12,10 @@ import torch
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.buffers import BufferPair
 from hf_acco.engine.halves import DynamicHalves, FixedHalves, InFlight
-from hf_acco.engine.handover import ROUND_THREAD, LentSums
+from hf_acco.engine.handover import LentSums
 from hf_acco.engine.optim import ShardOptimizer
 from hf_acco.engine.rounds import RoundBody, RoundResult
+from hf_acco.engine.runner import ROUND_THREAD
 from hf_acco.engine.schedule import STEP_END, Phase, RoundKind, Schedule, first_phase, parse_settings, schedule_at
 from hf_acco.engine.stats import EngineStats
 

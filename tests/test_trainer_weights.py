@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import rel
+from .helpers import HostReads, rel
 from .scripts import trainer_script
 from .test_trainer import flat, losses, train
 
@@ -158,8 +158,6 @@ def _host_reads(rank: int, world_size: int, argv: list[str]) -> dict:
     """Every tensor read on the host (``.item()``, ``float()``: aten._local_scalar_dense, a device sync on a GPU)
     by the main thread inside ACCOTrainer's training_step, outside the model's forward (the model's own:
     transformers' mask code reads one), per micro-batch; and inside the engine's ``step()`` (the step's end)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from hf_acco import ACCOOptimizer, ACCOTrainer
 
     reads: list[int] = []
@@ -167,21 +165,11 @@ def _host_reads(rank: int, world_size: int, argv: list[str]) -> dict:
     in_model = [False]
     wrapped: list[bool] = []  # the model training_step gets: never DDP (ACCO's rounds average the gradients)
 
-    class Reads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            if func is torch.ops.aten._local_scalar_dense.default and not in_model[0]:
-                self.counts[-1] += 1
-            return func(*args, **(kwargs or {}))
-
-        def __init__(self, counts: list[int]) -> None:
-            super().__init__()
-            self.counts = counts
-
     original, original_step = ACCOTrainer.training_step, ACCOOptimizer.step
 
     def counted_step(self, *args, **kwargs):  # noqa: ANN001, ANN202
         step_reads.append(0)
-        with Reads(step_reads):
+        with HostReads(step_reads, ignore=lambda: in_model[0]):
             return original_step(self, *args, **kwargs)
 
     def counted(self, model, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -190,7 +178,7 @@ def _host_reads(rank: int, world_size: int, argv: list[str]) -> dict:
             model.register_forward_hook(lambda *a: in_model.__setitem__(0, False))
         reads.append(0)
         wrapped.append(isinstance(model, torch.nn.parallel.DistributedDataParallel))
-        with Reads(reads):
+        with HostReads(reads, ignore=lambda: in_model[0]):
             return original(self, model, *args, **kwargs)
 
     ACCOTrainer.training_step, ACCOOptimizer.step = counted, counted_step

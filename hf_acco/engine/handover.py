@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-ROUND_THREAD = "acco-round"  # the name of the round's thread (runner.RoundRunner)
+from hf_acco.engine.runner import ROUND_THREAD
 
 
 class LentSums:

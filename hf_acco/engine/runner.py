@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hf_acco.engine.handover import ROUND_THREAD
+ROUND_THREAD = "acco-round"  # the name of the round's thread
 
 
 @dataclass
