@@ -10,8 +10,9 @@ Variants, each over every parameter (the hook's pattern: one kernel per paramete
 * ``add_``: ``view.add_(grad)``, what the hook runs for a micro-batch's 2nd and later gradients (fp32 += bf16: a
   mixed-dtype TensorIterator kernel);
 * ``add_float``: ``view.add_(grad.float())``: a cast kernel, then an fp32 += fp32 one;
-* ``triton``: one Triton kernel that loads both, converts and adds (where Triton is installed, on CUDA);
-* ``copy_``: ``view.copy_(grad)``, the hook's first gradient of a step;
+* ``triton``: the engine's Triton kernel (``HF_ACCO_ACCUMULATE=triton``, ``hf_acco/engine/kernels.py``), which loads
+  both, widens the gradient and adds (where Triton is installed, on CUDA);
+* ``copy_``: ``view.copy_(grad)``, the hook's first gradient of a step; ``triton_copy``: the engine's Triton one;
 * ``bf16_add_``: ``bf16.add_(grad)``, what autograd does when Trainer accumulates bf16 gradients in ``p.grad``.
 
 Per variant: milliseconds per pass over all parameters (the median of ``--passes``, between CUDA events), the bytes
@@ -46,27 +47,26 @@ def shapes(tiny: bool) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters()]
 
 
-def triton_add():  # noqa: ANN201
-    """``acc += grad`` (fp32 += bf16, both contiguous, one dimension) in one Triton kernel, or None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+def triton_writers(device: str):  # noqa: ANN201
+    """The hook's Triton (add, copy) as the engine runs them with ``HF_ACCO_ACCUMULATE=triton``
+    (hf_acco/engine/kernels.py; small tensors go to torch's op there too), or None without Triton / off CUDA."""
+    import os
+
+    import torch
+
+    from hf_acco.engine import kernels
+
+    if device != "cuda" or importlib.util.find_spec("triton") is None:
         return None
-
-    @triton.jit
-    def kernel(acc_ptr, grad_ptr, n, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202, N803
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        acc = tl.load(acc_ptr + offsets, mask=mask)
-        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        tl.store(acc_ptr + offsets, acc + grad, mask=mask)
-
-    def add(acc, grad) -> None:  # noqa: ANN001
-        n = acc.numel()
-        kernel[(triton.cdiv(n, 4096),)](acc, grad, n, BLOCK=4096)
-
-    return add
+    before = os.environ.get(kernels.ENV)
+    os.environ[kernels.ENV] = "triton"
+    try:
+        return kernels.writers(torch.device(device))
+    finally:
+        if before is None:
+            del os.environ[kernels.ENV]
+        else:
+            os.environ[kernels.ENV] = before
 
 
 def measure(device: str, tiny: bool, passes: int) -> dict:
@@ -81,16 +81,18 @@ def measure(device: str, tiny: bool, passes: int) -> dict:
     bf16 = [torch.zeros_like(g) for g in grads]
     variants = {
         "add_": (lambda: [v.add_(g) for v, g in zip(views, grads)], 10),
-        "add_float": (lambda: [v.add_(g.float()) for v, g in zip(views, grads)], 10),
+        "add_float": (lambda: [v.add_(g.float()) for v, g in zip(views, grads)], 18),
         "copy_": (lambda: [v.copy_(g) for v, g in zip(views, grads)], 6),
         "bf16_add_": (lambda: [b.add_(g) for b, g in zip(bf16, grads)], 6),
     }
-    add = triton_add() if device == "cuda" else None
-    if add is not None:
+    writers = triton_writers(device)
+    if writers is not None:
+        add, copy = writers
         variants["triton"] = (lambda: [add(v, g) for v, g in zip(views, grads)], 10)
+        variants["triton_copy"] = (lambda: [copy(v, g) for v, g in zip(views, grads)], 6)
     cuda = device == "cuda"
     out: dict = {"params": len(dims), "numel": numel, "variants": {}}
-    reference = None
+    reference = copied = None
     for name, (run, nbytes) in variants.items():
         accum.fill_(0.5)
         run()  # warm-up (Triton compiles here)
@@ -113,8 +115,11 @@ def measure(device: str, tiny: bool, passes: int) -> dict:
             accum_now = accum.clone()
             reference = accum_now if reference is None else reference
             figure["equals_add_"] = bool(torch.equal(accum_now, reference))
+        if name in ("copy_", "triton_copy"):  # the gradients, widened
+            copied = accum.clone() if copied is None else copied
+            figure["equals_copy_"] = bool(torch.equal(accum, copied))
         out["variants"][name] = figure
-    out["triton"] = add is not None
+    out["triton"] = writers is not None
     return out
 
 

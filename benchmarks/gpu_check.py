@@ -12,7 +12,10 @@ real collectives there), ``bf16=True``, sdpa attention:
 
 * ``trainer_bf16``: Trainer with bf16 weights (pure-bf16 AdamW): the fastest plain Trainer;
 * ``trainer_fp32_autocast``: Trainer with fp32 weights under bf16 autocast;
-* ``acco_sync`` / ``acco_acco``: ACCOTrainer with bf16 weights, ``acco_schedule`` sync / acco.
+* ``acco_sync`` / ``acco_acco``: ACCOTrainer with bf16 weights, ``acco_schedule`` sync / acco;
+* ``acco_sync_triton`` / ``acco_acco_triton``: the same with ``HF_ACCO_ACCUMULATE=triton`` (the gradient hook's
+  Triton kernels, ``hf_acco/engine/kernels.py``; left out where Triton is not installed): whether the hook should
+  add that way by default is decided from these runs beside the two above.
 
 Per method: the median step time over the steps after ``--warmup`` and before the last three (each step timed
 between CUDA synchronisations at Trainer's step begin and end), tokens per second, the peak and the step-end
@@ -43,8 +46,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ("trainer_bf16", "trainer_fp32_autocast", "acco_sync", "acco_acco")
-LIMITS = {"acco_acco": 1.05, "acco_sync": 1.03}  # step time / trainer_bf16's
+METHODS = ("trainer_bf16", "trainer_fp32_autocast", "acco_sync", "acco_acco", "acco_sync_triton", "acco_acco_triton")
+LIMITS = {"acco_acco": 1.05, "acco_sync": 1.03, "acco_acco_triton": 1.05, "acco_sync_triton": 1.03}  # / trainer_bf16
 MEMORY_TOLERANCE = 0.02
 TESTS_TIMEOUT_S = 360  # the GPU tier's limit: the measurements that follow still run
 PROFILED = 3  # the last steps of each run, under the profiler (left out of the timing)
@@ -128,7 +131,7 @@ def run_method(method: str, args: argparse.Namespace) -> dict:
         dataloader_num_workers=0,
     )
     if acco:
-        settings["acco_schedule"] = method.removeprefix("acco_")
+        settings["acco_schedule"] = method.removeprefix("acco_").removesuffix("_triton")
     training_args = (ACCOConfig if acco else TrainingArguments)(**settings)
     trainer = (ACCOTrainer if acco else Trainer)(
         model=model, args=training_args, train_dataset=data, callbacks=[Clock()]
@@ -268,13 +271,18 @@ def gpu_tests(report: Path) -> dict:
     return {"returncode": done.returncode, **counts, "failed": failed, "tail": done.stdout[-1500:]}
 
 
+def child_env() -> dict[str, str]:
+    """A part's environment: this checkout's hf_acco first, then the carried packages (PYTHONPATH) as they are."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
 def accumulation_kernels(args: argparse.Namespace) -> dict:
     """``benchmarks/accumulate_kernels.py`` on this device, in a process of its own (its result, or its error)."""
     with tempfile.TemporaryDirectory() as tmp:
         file = Path(tmp) / "kernels.json"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "accumulate_kernels.py"), "--device", args.device,
                "--out", str(file), *(["--tiny"] if args.tiny else [])]  # fmt: skip
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
         if done.returncode or not file.exists():
             return {"error": done.stderr[-3000:]}
         return json.loads(file.read_text())
@@ -287,8 +295,8 @@ def verdicts(runs: dict[str, dict]) -> dict:
         if base and method in runs:
             ratio = runs[method]["step_s"] / base["step_s"]
             out[f"{method}_vs_trainer_bf16"] = {"ratio": ratio, "limit": limit, "ok": ratio <= limit}
-    for method in ("acco_sync", "acco_acco"):
-        run = runs.get(method, {})
+    for method in [m for m in runs if m.startswith("acco_")]:
+        run = runs[method]
         held, predicted = run.get("step_end_allocated_bytes"), run.get("report_persistent_bytes")
         if held and predicted:
             gap = abs(held - predicted) / held
@@ -346,7 +354,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
     p.add_argument("--micro_batches", type=int, default=4, help="gradient_accumulation_steps")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="default: all (the _triton ones where Triton is)")
     p.add_argument("--skip_tests", action="store_true", help="leave the GPU test tier out")
     p.add_argument("--skip_kernels", action="store_true", help="leave the accumulation kernels' timing out")
     p.add_argument("--run", choices=METHODS, help=argparse.SUPPRESS)  # one method, in a process of its own
@@ -380,17 +388,18 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(result, indent=1) + "\n")
 
     result["runs"], failed = {}, []
+    methods = args.methods or [m for m in METHODS if not m.endswith("_triton") or importlib.util.find_spec("triton")]
+    settings["methods"] = methods
     if not args.skip_tests:
         result["gpu_tests"] = gpu_tests(out_dir / f"gpu_tests_{name}.xml")
         write()
-    for method in args.methods:
+    for method in methods:
         with tempfile.TemporaryDirectory() as tmp:
             file = Path(tmp) / "result.json"
             cmd = [sys.executable, __file__, "--run", method, "--result", str(file), *(argv or sys.argv[1:])]
-            pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # carried packages
-            env = {**os.environ, "PYTHONPATH": pythonpath} | (
-                {"ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {}
-            )
+            env = child_env() | ({"ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {})
+            if method.endswith("_triton"):  # (on a CPU, Triton's interpreter: the plumbing)
+                env |= {"HF_ACCO_ACCUMULATE": "triton"} | ({"TRITON_INTERPRET": "1"} if args.device == "cpu" else {})
             done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if done.returncode or not file.exists():
                 failed.append(method)

@@ -424,3 +424,85 @@ def test_cuda_acco_over_an_fsdp2_model_matches_the_reference_whatever_the_round_
         for t in range(STEPS)
     ]
     assert relative_error(runs[0], run_acco(ref, plan)[-1]) < 1e-4
+
+
+def test_cuda_the_triton_kernels_give_torchs_sums_on_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_ACCO_ACCUMULATE=triton, compiled: the hook's add and copy give torch's sums bit for bit (infinities, NaN,
+    signed zeros, subnormals, overflow, a partial block), and run on the current stream as torch's ops do: launched
+    on a side stream held back by a sleep kernel, the default stream does not see the result before the side one."""
+    from hf_acco.engine import kernels
+
+    from .test_kernels import _same, _values
+
+    monkeypatch.setenv(kernels.ENV, "triton")
+    add, copy = kernels.writers(torch.device("cuda"))
+    for dtype in (torch.bfloat16, torch.float16):
+        for n in (kernels.MIN_NUMEL, 3 * kernels.MIN_NUMEL + 5):
+            acc, grad = (t.cuda() for t in _values(n, dtype, seed=n))
+            mine, theirs = acc.clone(), acc.clone()
+            add(mine, grad)
+            theirs.add_(grad)
+            assert _same(mine, theirs), (dtype, n)
+            copy(mine, grad)
+            assert _same(mine, grad.float()), (dtype, n)
+    acc, grad = torch.zeros(kernels.MIN_NUMEL, device="cuda"), torch.ones(kernels.MIN_NUMEL, device="cuda").bfloat16()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s and more: the side stream's kernels start after it
+        add(acc, grad)
+    early = acc.sum().item()  # the default stream, not waiting for the side one
+    side.synchronize()
+    assert (early, acc.sum().item()) == (0.0, float(kernels.MIN_NUMEL))
+
+
+def cuda_kernels_train(rank: int, world_size: int, choice: str, fsdp: bool) -> dict:
+    """A bf16 tiny Llama trained by the engine with the hook's kernels ``choice``, every bf16 gradient through
+    them (MIN_NUMEL 1); with ``fsdp``, over an FSDP2 model (the hooks run on FSDP's reduce-scatter stream)."""
+    import os
+
+    from hf_acco.engine import kernels
+
+    os.environ[kernels.ENV] = choice
+    kernels.MIN_NUMEL = 1
+    launched = []
+    fits = kernels.fits
+    kernels.fits = lambda view, grad: launched.append(fits(view, grad)) or launched[-1]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_llama().cuda().to(torch.bfloat16)
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
+    opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5,
+                        communicator=DelayedCommunicator(0.0, collectives_at_world_size_1=True), **HP)  # fmt: skip
+    _cuda_steps(model, opt, 0, 4)
+    with opt.committed_parameters():
+        full = [p.full_tensor() if fsdp else p for p in model.parameters()]
+        out = [p.detach().cpu().clone() for p in full]
+    opt.close()
+    return {"params": out, "kernel_calls": sum(launched)}
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
+def test_cuda_training_with_the_triton_kernels_gives_the_same_parameters(fsdp: bool) -> None:
+    runs = {
+        choice: run_ranks(
+            cuda_kernels_train,
+            world_size=1,
+            backend="nccl",
+            start_method="spawn",
+            timeout=300,
+            choice=choice,
+            fsdp=fsdp,
+        )[0]  # fmt: skip
+        for choice in ("torch", "triton")
+    }
+    every = len(runs["torch"]["params"]) * 4 * MICRO  # each parameter's gradient of each micro-batch
+    assert runs["torch"]["kernel_calls"] == 0 and 0 < runs["triton"]["kernel_calls"] <= every
+    assert fsdp or runs["triton"]["kernel_calls"] == every  # (FSDP's local shards could be strided: torch's op)
+    assert all(torch.equal(a, b) for a, b in zip(runs["torch"]["params"], runs["triton"]["params"]))

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from hf_acco.comm.deltas import PackedRound
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.handover import LentSums
+from hf_acco.engine.kernels import writers
 
 WIRE_DTYPES = ("auto", "fp32", "bf16", "int8")  # the settings' spellings of comm_dtype
 GRAD_DTYPES = ("fp32", "bf16")  # of grad_dtype
@@ -149,6 +150,7 @@ class BufferPair:
         self.comm_dtype = comm_dtype
         self.param_dtype = model_dtype(self.params)
         check_grad_dtype(grad_dtype, comm_dtype, self.param_dtype)
+        self._add, self._copy = writers(device)  # the hook's kernels (HF_ACCO_ACCUMULATE: torch's, or Triton's)
         self._accum = layout.new_flat(device, dtype=grad_dtype)
         self._lent: LentSums | None = None  # the last hand-over's copy, made by its round: writers of ``_accum`` wait
         self.packed = packed  # the round's buffer holds int8 rows (deltas.PackedRound), packed at the hand-over
@@ -281,11 +283,11 @@ class BufferPair:
         if isinstance(grad, DTensor):  # FSDP2: this rank's shard of the machine's reduced gradient
             grad = grad.to_local()
         if self.written[i] and self.grad_scale == 1.0:
-            view.add_(grad)
+            self._add(view, grad)
         elif self.written[i]:
             view.add_(grad, alpha=self.grad_scale)
         else:  # the first of this accumulation: written over the view (0 + g is g), read no sum
-            view.copy_(grad)
+            self._copy(view, grad)
             if self.grad_scale != 1.0:
                 view.mul_(self.grad_scale)  # in the sums' dtype, as add_(grad, alpha) computes it
             self.written[i] = 1

@@ -1,0 +1,149 @@
+"""The gradient hook's kernels (hf_acco/engine/kernels.py): torch's ops by default; with HF_ACCO_ACCUMULATE=triton,
+Triton kernels that must give the same fp32 sums bit for bit. On CPU, Triton's interpreter (TRITON_INTERPRET=1) runs
+the kernels' code on CPU tensors (the GPU tier runs them compiled: tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from hf_acco import ACCOOptimizer
+from hf_acco.engine import kernels
+from hf_acco.tools.multiprocess import run_ranks
+
+from .helpers import clones
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)"
+)
+
+
+def test_by_default_the_hook_runs_torchs_own_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    assert kernels.writers(torch.device("cpu")) == (torch.Tensor.add_, torch.Tensor.copy_)
+    monkeypatch.setenv(kernels.ENV, " Torch ")
+    assert kernels.writers(torch.device("cpu")) == (torch.Tensor.add_, torch.Tensor.copy_)
+
+
+def test_a_wrong_choice_is_refused_when_the_optimizer_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV, "cuda")
+    with pytest.raises(RuntimeError, match="ValueError: HF_ACCO_ACCUMULATE='cuda': use one of torch, triton"):
+        run_ranks(_build, world_size=1)  # (the rank's error, re-raised here)
+
+
+def test_triton_without_a_cuda_device_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="on a CUDA device; this engine's device is cpu. Unset HF_ACCO_ACCUMULATE"):
+        kernels.writers(torch.device("cpu"))
+
+
+def _build(rank: int, world_size: int) -> None:
+    ACCOOptimizer(torch.nn.Linear(4, 4).parameters(), lr=1e-3).close()
+
+
+def test_what_the_kernels_take() -> None:
+    n = kernels.MIN_NUMEL
+    acc, grad = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
+    assert kernels.fits(acc, grad) and kernels.fits(acc, grad.half())
+    assert not kernels.fits(acc, grad.float())  # same dtypes: torch's add is vectorised already
+    assert not kernels.fits(acc.bfloat16(), grad)  # bf16 sums (grad_dtype="bf16")
+    assert not kernels.fits(acc[: n - 1], grad[: n - 1])  # too small to be worth a launch
+    assert not kernels.fits(acc, torch.zeros(2 * n, dtype=torch.bfloat16)[::2])  # not contiguous
+    assert not kernels.fits(acc, grad[:-1].contiguous())
+
+
+def _values(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 sums and a gradient of ``dtype`` with the edge cases in them: infinities, NaN, signed zeros, fp32 and
+    narrow subnormals, sums that overflow, cancellations."""
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.randn(n, generator=g) * 10.0 ** torch.randint(-40, 38, (n,), generator=g).float()
+    grad = (torch.randn(n, generator=g) * 10.0 ** torch.randint(-8, 4, (n,), generator=g).float()).to(dtype)
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-45, 3.4e38, -3.4e38])
+    acc[: len(specials)] = specials
+    grad[: len(specials)] = specials.flip(0).to(dtype)
+    grad[20:30] = torch.finfo(dtype).smallest_normal / 4  # narrow subnormals
+    grad[30:40] = (-acc[30:40]).to(dtype)  # cancellations
+    grad[40:50] = torch.finfo(dtype).max  # with acc's 3.4e38 above: overflow to inf
+    acc[40:50] = 3.4e38
+    return acc, grad
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN wherever the other is NaN (a NaN's payload is not an IEEE result)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+def _interpreted_kernels(rank: int, world_size: int) -> dict:
+    add, copy = kernels.writers(torch.device("cpu"))
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        for n in (kernels.MIN_NUMEL, kernels.MIN_NUMEL + 3 * kernels.BLOCK + 5):  # a whole and a partial block
+            acc, grad = _values(n, dtype, seed=n)
+            mine, theirs = acc.clone(), acc.clone()
+            add(mine, grad)
+            theirs.add_(grad)
+            out[f"add {dtype} {n}"] = _same(mine, theirs)
+            copy(mine, grad)
+            out[f"copy {dtype} {n}"] = _same(mine, grad.float())
+            # and what goes to torch: an fp32 gradient, a non-contiguous one
+            wide = torch.randn(n, dtype=torch.float32)
+            mine, theirs = acc.clone(), acc.clone()
+            add(mine, wide)
+            theirs.add_(wide)
+            out[f"fallback {dtype} {n}"] = _same(mine, theirs)
+    return out
+
+
+@needs_triton
+def test_the_triton_kernels_give_torchs_sums_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (result,) = run_ranks(_interpreted_kernels, world_size=1)
+    assert result and all(result.values()), result
+
+
+SIDE = 256  # 65536-element weights: the kernels' smallest; the biases go to torch
+
+
+def _train(rank: int, world_size: int, schedule: str) -> dict:
+    launched = []
+    fits = kernels.fits
+    kernels.fits = lambda view, grad: launched.append(fits(view, grad)) or launched[-1]  # type: ignore[assignment]
+    model = _untrained()
+    opt = ACCOOptimizer(model.parameters(), lr=1e-2, micro_batches=4, schedule=schedule, max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4 * 4):
+        model(torch.randn(8, SIDE, generator=g).bfloat16()).float().square().mean().backward()
+        opt.after_backward()
+        if opt.ready_to_step():
+            opt.step()
+    with opt.committed_parameters():
+        final = clones(model)
+    opt.close()
+    return {"final": final, "kernel_calls": sum(launched), "torch_calls": len(launched) - sum(launched)}
+
+
+@needs_triton
+@pytest.mark.parametrize("schedule", ["acco", "sync"])
+def test_training_with_the_triton_kernels_gives_the_same_parameters(
+    monkeypatch: pytest.MonkeyPatch, schedule: str
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(kernels.ENV, "torch")
+    reference = run_ranks(_train, schedule=schedule)
+    monkeypatch.setenv(kernels.ENV, "triton")
+    triton = run_ranks(_train, schedule=schedule)
+    for r, t in zip(reference, triton):
+        assert r["kernel_calls"] == 0 and t["kernel_calls"] == 2 * 16  # two weights, 16 micro-batches
+        assert t["torch_calls"] == 2 * 16  # the biases
+        assert all(torch.equal(a, b) for a, b in zip(r["final"], t["final"]))
+    assert not all(torch.equal(a, b) for a, b in zip(triton[0]["final"], clones(_untrained())))
+
+
+def _untrained() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(SIDE, SIDE), torch.nn.Tanh(), torch.nn.Linear(SIDE, SIDE)).bfloat16()
