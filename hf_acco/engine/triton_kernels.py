@@ -11,10 +11,12 @@ import triton.language as tl
 
 @triton.jit
 def _widened(grad_ptr, offsets, mask, BF16_BITS: tl.constexpr):  # noqa: ANN001, ANN202, N803
-    if BF16_BITS:
+    if BF16_BITS:  # (a compile-time branch: one of the two is compiled, and one return follows)
         bits = tl.load(grad_ptr + offsets, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
-        return bits.to(tl.float32, bitcast=True)
-    return tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        wide = bits.to(tl.float32, bitcast=True)
+    else:
+        wide = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+    return wide
 
 
 @triton.jit
