@@ -29,7 +29,7 @@ def test_by_default_the_hook_runs_torchs_own_ops(monkeypatch: pytest.MonkeyPatch
 
 def test_a_wrong_choice_is_refused_when_the_optimizer_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.ENV, "cuda")
-    with pytest.raises(RuntimeError, match="ValueError: HF_ACCO_ACCUMULATE='cuda': use one of torch, triton"):
+    with pytest.raises(RuntimeError, match="ValueError: HF_ACCO_ACCUMULATE='cuda': use torch or triton"):
         run_ranks(_build, world_size=1)  # (the rank's error, re-raised here)
 
 
@@ -66,7 +66,7 @@ def _values(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.
     grad[: len(specials)] = specials.flip(0).to(dtype)
     grad[20:30] = torch.finfo(dtype).smallest_normal / 4  # narrow subnormals
     grad[30:40] = (-acc[30:40]).to(dtype)  # cancellations
-    grad[40:50] = torch.finfo(dtype).max  # with acc's 3.4e38 above: overflow to inf
+    grad[40:50] = torch.finfo(dtype).max  # with acc's 3.4e38: bf16's max overflows the sum to inf (fp16's does not)
     acc[40:50] = 3.4e38
     return acc, grad
 
@@ -77,25 +77,39 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
 
 
-def _interpreted_kernels(rank: int, world_size: int) -> dict:
-    add, copy = kernels.writers(torch.device("cpu"))
+def _offset(t: torch.Tensor, by: int) -> torch.Tensor:
+    """``t``'s values at ``by`` elements into a larger tensor (a view with a storage offset, as a parameter's in the
+    flat buffer; by 1: not 16-byte aligned)."""
+    out = torch.empty(t.numel() + by, dtype=t.dtype, device=t.device)[by:]
+    out.copy_(t)
+    return out
+
+
+def checked_writes(add, copy, device: str, sizes: tuple[int, ...]) -> dict:  # noqa: ANN001
+    """Each of the hook's writes (``add``, ``copy``) against torch's op, bit for bit: bf16 and fp16 gradients of
+    each size, at aligned and offset places; an fp32 gradient (torch's op)."""
     out = {}
     for dtype in (torch.bfloat16, torch.float16):
-        for n in (kernels.MIN_NUMEL, kernels.MIN_NUMEL + 3 * kernels.BLOCK + 5):  # a whole and a partial block
-            acc, grad = _values(n, dtype, seed=n)
-            mine, theirs = acc.clone(), acc.clone()
+        for n, by in ((n, by) for n in sizes for by in (0, 1)):
+            acc, grad = (_offset(t.to(device), by) for t in _values(n, dtype, seed=n))
+            mine, theirs = _offset(acc, by), acc.clone()
             add(mine, grad)
             theirs.add_(grad)
-            out[f"add {dtype} {n}"] = _same(mine, theirs)
+            out[f"add {dtype} {n} at {by}"] = _same(mine, theirs)
             copy(mine, grad)
-            out[f"copy {dtype} {n}"] = _same(mine, grad.float())
-            # and what goes to torch: an fp32 gradient, a non-contiguous one
-            wide = torch.randn(n, dtype=torch.float32)
+            out[f"copy {dtype} {n} at {by}"] = _same(mine, grad.float())
+            wide = torch.randn(n, dtype=torch.float32, device=device)  # what goes to torch's op
             mine, theirs = acc.clone(), acc.clone()
             add(mine, wide)
             theirs.add_(wide)
-            out[f"fallback {dtype} {n}"] = _same(mine, theirs)
+            out[f"fp32 {dtype} {n} at {by}"] = _same(mine, theirs)
     return out
+
+
+def _interpreted_kernels(rank: int, world_size: int) -> dict:
+    kernels.MIN_NUMEL = 1 << 16  # (the interpreter is slow: smaller tensors than a GPU's)
+    add, copy = kernels.writers(torch.device("cpu"))
+    return checked_writes(add, copy, "cpu", (1 << 16, (1 << 16) + 3 * kernels.BLOCK + 5))  # a partial last block
 
 
 @needs_triton
@@ -106,10 +120,11 @@ def test_the_triton_kernels_give_torchs_sums_bit_for_bit(monkeypatch: pytest.Mon
     assert result and all(result.values()), result
 
 
-SIDE = 256  # 65536-element weights: the kernels' smallest; the biases go to torch
+SIDE = 256  # 65536-element weights through the kernels (MIN_NUMEL made that); the biases go to torch
 
 
 def _train(rank: int, world_size: int, schedule: str) -> dict:
+    kernels.MIN_NUMEL = SIDE * SIDE
     launched = []
     fits = kernels.fits
     kernels.fits = lambda view, grad: launched.append(fits(view, grad)) or launched[-1]  # type: ignore[assignment]

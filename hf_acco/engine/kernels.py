@@ -23,7 +23,9 @@ import torch
 ENV = "HF_ACCO_ACCUMULATE"
 CHOICES = ("torch", "triton")
 BLOCK = 4096  # elements per Triton program
-MIN_NUMEL = 1 << 16  # below it a tensor's bytes take less than a launch: torch's op (a per-call launch cost)
+# Below it, torch's op: the GPU time the kernel saves (microseconds) is less than the host time a Triton launch costs
+# over torch's (~10-20 us of Python), which shows wherever the backward is host-bound (many small tensors, LoRA)
+MIN_NUMEL = 1 << 20
 MAX_NUMEL = 2**31 - BLOCK  # the kernels' offsets are int32
 NARROW = (torch.bfloat16, torch.float16)
 
@@ -37,7 +39,7 @@ torch_copy: Write = torch.Tensor.copy_
 def choice() -> str:
     value = os.environ.get(ENV, "").strip().lower() or "torch"
     if value not in CHOICES:
-        raise ValueError(f"{ENV}={value!r}: use one of {', '.join(CHOICES)} (or leave it unset: torch).")
+        raise ValueError(f"HF_ACCO_ACCUMULATE={value!r}: use torch or triton (or leave it unset: torch).")
     return value
 
 
@@ -45,17 +47,18 @@ def writers(device: torch.device) -> tuple[Write, Write]:
     """(add, copy) for the gradient hook of an engine on ``device``, as ``HF_ACCO_ACCUMULATE`` says."""
     if choice() == "torch":
         return torch_add, torch_copy
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")  # Triton's
     if device.type != "cuda" and not interpreted:
         raise RuntimeError(
-            f"{ENV}=triton runs the gradient hook's kernels on a CUDA device; this engine's device is {device}. "
-            f"Unset {ENV} (or set it to torch) to train here."
+            "HF_ACCO_ACCUMULATE=triton runs the gradient hook's kernels on a CUDA device; this engine's device is "
+            f"{device}. Unset HF_ACCO_ACCUMULATE (or set it to torch) to train here."
         )
     try:
-        add_kernel, copy_kernel = _kernels()
+        add_kernel, copy_kernel = _kernels(interpreted)
     except ImportError as e:
         raise RuntimeError(
-            f"{ENV}=triton needs Triton ({e}); CUDA builds of torch install it: pip install triton, or unset {ENV}."
+            f"HF_ACCO_ACCUMULATE=triton needs Triton ({e}); CUDA builds of torch install it: pip install triton, or "
+            "unset HF_ACCO_ACCUMULATE."
         ) from e
     return _launcher(add_kernel, torch_add, interpreted), _launcher(copy_kernel, torch_copy, interpreted)
 
@@ -78,6 +81,8 @@ def fits(view: torch.Tensor, grad: torch.Tensor) -> bool:
 def _launcher(kernel, fallback: Write, interpreted: bool) -> Write:  # noqa: ANN001
     import triton
 
+    options = {} if interpreted else {"enable_fp_fusion": False}
+
     def write(view: torch.Tensor, grad: torch.Tensor) -> None:
         if not fits(view, grad):
             fallback(view, grad)
@@ -87,17 +92,25 @@ def _launcher(kernel, fallback: Write, interpreted: bool) -> Write:  # noqa: ANN
         # Triton launches on the current device's current stream: the hook runs on autograd's thread for the
         # gradient's device, with the gradient's stream current (as torch's op would use); the guard is for callers
         # whose current device is another one
+        # whose current device is another one. (No multiply to fuse: fp fusion off says so, and spares Triton's
+        # warning about its default.)
         if interpreted or grad.device.index == torch.cuda.current_device():
-            kernel[(triton.cdiv(n, BLOCK),)](view, grad, n, BLOCK=BLOCK, BF16_BITS=bf16)
+            kernel[(triton.cdiv(n, BLOCK),)](view, grad, n, BLOCK=BLOCK, BF16_BITS=bf16, **options)
         else:
             with torch.cuda.device(grad.device):
-                kernel[(triton.cdiv(n, BLOCK),)](view, grad, n, BLOCK=BLOCK, BF16_BITS=bf16)
+                kernel[(triton.cdiv(n, BLOCK),)](view, grad, n, BLOCK=BLOCK, BF16_BITS=bf16, **options)
 
     return write
 
 
-def _kernels():  # noqa: ANN202
-    """The two Triton kernels (``triton_kernels``, imported on first use: Triton's interpreter mode is read then)."""
+def _kernels(interpreted: bool):  # noqa: ANN202
+    """The two Triton kernels (``triton_kernels``, imported on first use). Triton decides at a kernel's definition
+    whether its interpreter runs it: a module defined the other way (a process forked after a compiled use) is
+    defined again."""
+    import importlib
+
     from hf_acco.engine import triton_kernels
 
+    if (type(triton_kernels.add).__name__ == "InterpretedFunction") != interpreted:
+        importlib.reload(triton_kernels)
     return triton_kernels.add, triton_kernels.copy

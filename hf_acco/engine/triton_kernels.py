@@ -19,16 +19,28 @@ def _widened(grad_ptr, offsets, mask, BF16_BITS: tl.constexpr):  # noqa: ANN001,
     return wide
 
 
+# A whole block is loaded and stored without a mask: Triton vectorises it (16-byte accesses) where the pointers are
+# 16-byte aligned, whatever n is; only the last, partial block is masked.
+
+
 @triton.jit
 def add(acc_ptr, grad_ptr, n, BLOCK: tl.constexpr, BF16_BITS: tl.constexpr):  # noqa: ANN001, ANN201, N803
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    acc = tl.load(acc_ptr + offsets, mask=mask)
-    tl.store(acc_ptr + offsets, acc + _widened(grad_ptr, offsets, mask, BF16_BITS), mask=mask)
+    start = tl.program_id(0) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        tl.store(acc_ptr + offsets, tl.load(acc_ptr + offsets) + _widened(grad_ptr, offsets, None, BF16_BITS))
+    else:
+        mask = offsets < n
+        acc = tl.load(acc_ptr + offsets, mask=mask)
+        tl.store(acc_ptr + offsets, acc + _widened(grad_ptr, offsets, mask, BF16_BITS), mask=mask)
 
 
 @triton.jit
 def copy(acc_ptr, grad_ptr, n, BLOCK: tl.constexpr, BF16_BITS: tl.constexpr):  # noqa: ANN001, ANN201, N803
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    tl.store(acc_ptr + offsets, _widened(grad_ptr, offsets, mask, BF16_BITS), mask=mask)
+    start = tl.program_id(0) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        tl.store(acc_ptr + offsets, _widened(grad_ptr, offsets, None, BF16_BITS))
+    else:
+        mask = offsets < n
+        tl.store(acc_ptr + offsets, _widened(grad_ptr, offsets, mask, BF16_BITS), mask=mask)
