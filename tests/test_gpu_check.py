@@ -41,15 +41,18 @@ def test_without_a_gpu_the_default_says_what_to_run_instead(tmp_path: Path) -> N
     assert done.returncode == 2 and "--device cpu --tiny" in done.stderr
 
 
-def test_device_to_host_copies_are_told_apart_by_the_thread_that_asked() -> None:
-    """A profile's device-to-host copies, read from its chrome trace: the main thread's (Trainer's loop: a read there
-    makes the host wait for the compute) apart from the round's, and copies of data apart from scalar reads."""
-    import importlib.util
-
+def _gpu_check():  # noqa: ANN202
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_device_to_host_copies_are_told_apart_by_the_thread_that_asked() -> None:
+    """A profile's device-to-host copies, read from its chrome trace: the main thread's (Trainer's loop: a read there
+    makes the host wait for the compute) apart from the round's, and copies of data apart from scalar reads."""
+    gpu_check = _gpu_check()
 
     def copy(correlation: int, nbytes: int) -> dict:
         return {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "dur": 2.0,
@@ -64,3 +67,25 @@ def test_device_to_host_copies_are_told_apart_by_the_thread_that_asked() -> None
     got = gpu_check.device_to_host(events, main_thread=100)
     assert (got["count"], got["count_main_thread"], got["count_over_64_bytes"]) == (3, 2, 1)
     assert got["bytes"] == 4108 and got["kernel_ms_per_step"] == 3.0 / gpu_check.PROFILED
+
+
+def test_the_reads_verdict_holds_the_main_thread_to_trainers_and_each_round_to_two() -> None:
+    gpu_check = _gpu_check()
+    steps = gpu_check.PROFILED
+
+    def run(count: int, main: int, data: int = 0) -> dict:
+        copies = {"steps": steps, "count": count, "count_main_thread": main, "count_over_64_bytes": data}
+        return {"step_s": 1.0, "device_to_host": copies}
+
+    def ok(**runs: dict) -> dict:
+        verdicts = gpu_check.verdicts({"trainer_bf16": run(14 * steps, 14 * steps), **runs})
+        return {k.removesuffix("_device_to_host"): v["ok"] for k, v in verdicts.items() if "device_to_host" in k}
+
+    trainers = 14 * steps
+    assert ok(acco_acco=run(trainers + 4 * steps, trainers), acco_sync=run(trainers + 2 * steps, trainers)) == {
+        "acco_acco": True,  # two rounds a step, each reading its weight and its norm on its own thread
+        "acco_sync": True,
+    }
+    assert ok(acco_sync=run(trainers + 3 * steps, trainers)) == {"acco_sync": False}  # a third read a round
+    assert ok(acco_acco=run(trainers + 1, trainers + 1)) == {"acco_acco": False}  # one more on the main thread
+    assert ok(acco_acco_triton=run(trainers, trainers, data=1)) == {"acco_acco_triton": False}  # a copy of data

@@ -68,6 +68,12 @@ def tested_versions() -> str:
     )
 
 
+VERDICT_FIGURES = (
+    *("ratio", "limit", "gap", "count_over_64_bytes", "trainer_bf16_count", "count"),
+    *("count_main_thread", "trainer_bf16_main_thread", "rounds_limit"),  # the device-to-host reads by thread
+)
+
+
 def gpu_check_table(gpu: str = "nvidia_h200") -> str:
     """``make gpu-check``'s table (benchmarks/gpu_check.py), with its GPU time per step by kernel family."""
     result = json.loads((GPU_RESULTS / f"gpu_check_{gpu}.json").read_text())
@@ -95,11 +101,7 @@ def gpu_check_table(gpu: str = "nvidia_h200") -> str:
     )
     out.append("")
     for name, v in result["verdicts"].items():
-        shown = {
-            k: (round(x, 4) if isinstance(x, float) else x)
-            for k, x in v.items()
-            if k in ("ratio", "limit", "gap", "count_over_64_bytes", "trainer_bf16_count", "count")
-        }
+        shown = {k: (round(x, 4) if isinstance(x, float) else x) for k, x in v.items() if k in VERDICT_FIGURES}
         out.append(f"- {name}: {'met' if v['ok'] else 'NOT MET'} {shown}")
     return "\n".join(out) + "\n"
 
