@@ -1,6 +1,7 @@
 """The gradient hook's kernels (hf_acco/engine/kernels.py): torch's ops by default; with HF_ACCO_ACCUMULATE=triton,
 Triton kernels that must give the same fp32 sums bit for bit. On CPU, Triton's interpreter (TRITON_INTERPRET=1) runs
-the kernels' code on CPU tensors (the GPU tier runs them compiled: tests/test_gpu.py)."""
+the kernels' code on CPU tensors, and Triton's compiler shows their PTX for a GPU (the GPU tier runs them compiled:
+tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,39 @@ def test_what_the_kernels_take() -> None:
     assert not kernels.fits(acc[: n - 1], grad[: n - 1])  # too small to be worth a launch
     assert not kernels.fits(acc, torch.zeros(2 * n, dtype=torch.bfloat16)[::2])  # not contiguous
     assert not kernels.fits(acc, grad[:-1].contiguous())
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_kernels_compile_for_a_gpu_vectorised_and_without_flushing_subnormals(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, arch: int
+) -> None:
+    """Compiled for an A100 / H100 (no GPU needed: Triton's compiler and ptxas), as a launch with 16-byte aligned
+    pointers and an odd n compiles them: whole blocks load and store in 16-byte vectors; the add is PTX's IEEE
+    ``add.rn.f32``, nothing flushes subnormals (``.ftz``); fp16 is widened by ``cvt.f32.f16``, bf16 by a shift."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf_acco.engine import triton_kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if type(triton_kernels.add).__name__ == "InterpretedFunction":
+        triton_kernels = importlib.reload(triton_kernels)
+    aligned = [["tt.divisibility", 16]]
+    signature = {"acc_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr", "BF16_BITS": "constexpr"}
+    options, target = {"enable_fp_fusion": False}, GPUTarget("cuda", arch, 32)
+    for name in ("add", "copy"):
+        for bf16, grad in ((True, "*i16"), (False, "*fp16")):
+            constexprs = {"BLOCK": kernels.BLOCK, "BF16_BITS": bf16}
+            source = ASTSource(getattr(triton_kernels, name), {**signature, "grad_ptr": grad},
+                               attrs={(0,): aligned, (1,): aligned}, constexprs=constexprs)  # fmt: skip
+            ptx = triton.compile(source, target=target, options=options).asm["ptx"]
+            assert "ld.global.v4" in ptx and "st.global.v4" in ptx, (name, bf16)
+            assert ".ftz" not in ptx, (name, bf16)
+            assert (name == "add") == ("add.rn.f32" in ptx), (name, bf16)
+            assert ("cvt.f32.f16" in ptx) == (not bf16), (name, bf16)
 
 
 def _values(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
