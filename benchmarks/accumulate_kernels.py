@@ -12,6 +12,8 @@ Variants, each over every parameter (the hook's pattern: one kernel per paramete
 * ``add_float``: ``view.add_(grad.float())``: a cast kernel, then an fp32 += fp32 one;
 * ``triton``: the engine's Triton kernel (``HF_ACCO_ACCUMULATE=triton``, ``hf_acco/engine/kernels.py``), which loads
   both, widens the gradient and adds (where Triton is installed, on CUDA);
+* ``add_unaligned`` / ``triton_unaligned``: the same adds with each gradient 2 bytes into its allocation (not
+  16-byte aligned, as FSDP2's views of its reduce-scatter output can be: Triton's loads are not vectorised there);
 * ``copy_``: ``view.copy_(grad)``, the hook's first gradient of a step; ``triton_copy``: the engine's Triton one;
 * ``bf16_add_``: ``bf16.add_(grad)``, what autograd does when Trainer accumulates bf16 gradients in ``p.grad``.
 
@@ -79,8 +81,15 @@ def measure(device: str, tiny: bool, passes: int) -> dict:
     views = list(torch.split(accum, [torch.Size(s).numel() for s in dims]))
     grads = [torch.randn(torch.Size(s).numel(), device=device).to(torch.bfloat16) for s in dims]
     bf16 = [torch.zeros_like(g) for g in grads]
+    # the same gradients 2 bytes into a larger allocation (not 16-byte aligned, as a view into a buffer can be:
+    # FSDP2 hands the hook views of its reduce-scatter output): Triton's loads are not vectorised there
+    shifted = []
+    for g in grads:
+        s = torch.empty(g.numel() + 1, dtype=g.dtype, device=device)[1:]
+        shifted.append(s.copy_(g))
     variants = {
         "add_": (lambda: [v.add_(g) for v, g in zip(views, grads)], 10),
+        "add_unaligned": (lambda: [v.add_(g) for v, g in zip(views, shifted)], 10),
         "add_float": (lambda: [v.add_(g.float()) for v, g in zip(views, grads)], 18),
         "copy_": (lambda: [v.copy_(g) for v, g in zip(views, grads)], 6),
         "bf16_add_": (lambda: [b.add_(g) for b, g in zip(bf16, grads)], 6),
@@ -89,6 +98,7 @@ def measure(device: str, tiny: bool, passes: int) -> dict:
     if writers is not None:
         add, copy = writers
         variants["triton"] = (lambda: [add(v, g) for v, g in zip(views, grads)], 10)
+        variants["triton_unaligned"] = (lambda: [add(v, g) for v, g in zip(views, shifted)], 10)
         variants["triton_copy"] = (lambda: [copy(v, g) for v, g in zip(views, grads)], 6)
     cuda = device == "cuda"
     out: dict = {"params": len(dims), "numel": numel, "variants": {}}
@@ -111,7 +121,8 @@ def measure(device: str, tiny: bool, passes: int) -> dict:
                 times.append(time.perf_counter() - t0)
         seconds = statistics.median(times)
         figure = {"ms": seconds * 1e3, "bytes_per_element": nbytes, "GB_per_s": nbytes * numel / seconds / 1e9}
-        if name in ("add_", "add_float", "triton"):  # the same sums from the same start: 0.5 + (passes + 1) grads
+        # the same sums from the same start: 0.5 + (passes + 1) grads
+        if name in ("add_", "add_unaligned", "add_float", "triton", "triton_unaligned"):
             accum_now = accum.clone()
             reference = accum_now if reference is None else reference
             figure["equals_add_"] = bool(torch.equal(accum_now, reference))
