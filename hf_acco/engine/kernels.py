@@ -9,8 +9,8 @@ does, so the sums are the same bit for bit.
 
 ``HF_ACCO_ACCUMULATE`` chooses, read when an engine is built: ``torch`` (the default) or ``triton`` (a CUDA device
 and Triton, which CUDA builds of torch install; Triton's interpreter, ``TRITON_INTERPRET=1``, runs the kernels on
-CPU tensors, for tests). Where a call does not fit the kernel (an fp32 gradient, a non-contiguous one, a small
-tensor whose launch costs more than its bytes, or over 2**31 elements) it goes to torch's op.
+CPU tensors, for tests). Where a call does not fit the kernels (an fp32 gradient, a non-contiguous one, fp32 sums
+of fewer than ``MIN_NUMEL`` or more than 2**31 elements) it goes to torch's op.
 """
 
 from __future__ import annotations
@@ -91,7 +91,6 @@ def _launcher(kernel, fallback: Write, interpreted: bool) -> Write:  # noqa: ANN
         grad = grad.view(torch.int16) if bf16 else grad  # its bits, widened by the kernel
         # Triton launches on the current device's current stream: the hook runs on autograd's thread for the
         # gradient's device, with the gradient's stream current (as torch's op would use); the guard is for callers
-        # whose current device is another one
         # whose current device is another one. (No multiply to fuse: fp fusion off says so, and spares Triton's
         # warning about its default.)
         if interpreted or grad.device.index == torch.cuda.current_device():
