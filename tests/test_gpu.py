@@ -1,6 +1,6 @@
 """CUDA path: the round on its own stream, ordered by events, NCCL. Skipped without a GPU.
 
-    make test-gpu     # these tests + a CUDA overlap timing, under 5 minutes on one GPU
+    make test-gpu     # these tests, one at a time (make gpu-check runs them 4 at a time)
 
 One GPU gives one NCCL rank. The engine runs NCCL's real reduce-scatter and all-gather there anyway
 (``collectives_at_world_size_1``), with the counts on the host (gloo) group first; the side stream, the events
