@@ -6,6 +6,7 @@ tests/test_gpu.py)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -68,6 +69,8 @@ def test_the_kernels_compile_for_a_gpu_vectorised_and_without_flushing_subnormal
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if "constexprs" not in inspect.signature(ASTSource).parameters:  # (Triton's compiler API, not the kernels')
+        pytest.skip(f"Triton {triton.__version__}: its ASTSource takes no constexprs= (3.5-3.9's do)")
     from hf_acco.engine import triton_kernels
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
