@@ -12,7 +12,8 @@ real collectives there), ``bf16=True``, sdpa attention:
 
 * ``trainer_bf16``: Trainer with bf16 weights (pure-bf16 AdamW): the fastest plain Trainer;
 * ``trainer_fp32_autocast``: Trainer with fp32 weights under bf16 autocast;
-* ``acco_sync`` / ``acco_acco``: ACCOTrainer with bf16 weights, ``acco_schedule`` sync / acco;
+* ``acco_sync`` / ``acco_acco``: ACCOTrainer with bf16 weights, ``acco_schedule`` sync / acco, the gradient hook
+  adding with torch's kernels (``HF_ACCO_ACCUMULATE=torch``);
 * ``acco_sync_triton`` / ``acco_acco_triton``: the same with ``HF_ACCO_ACCUMULATE=triton`` (the gradient hook's
   Triton kernels, ``hf_acco/engine/kernels.py``; left out where Triton is not installed): whether the hook should
   add that way by default is decided from these runs beside the two above.
@@ -417,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             env = child_env() | ({"ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {})
             if method.endswith("_triton"):  # (on a CPU, Triton's interpreter: the plumbing)
                 env |= {"HF_ACCO_ACCUMULATE": "triton"} | ({"TRITON_INTERPRET": "1"} if args.device == "cpu" else {})
+            elif method.startswith("acco_"):  # torch's kernels, whatever this shell's environment says
+                env["HF_ACCO_ACCUMULATE"] = "torch"
             done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if done.returncode or not file.exists():
                 failed.append(method)
