@@ -157,14 +157,26 @@ def test_the_triton_kernels_give_torchs_sums_bit_for_bit(monkeypatch: pytest.Mon
     assert result and all(result.values()), result
 
 
+def record_launches() -> list[bool]:
+    """From now on in this process, each call of the hook's Triton writers appends whether it launched the kernel
+    (True) or went to torch's op (False)."""
+    launched: list[bool] = []
+    fits = kernels.fits
+
+    def recorded(view: torch.Tensor, grad: torch.Tensor) -> bool:
+        launched.append(fits(view, grad))
+        return launched[-1]
+
+    kernels.fits = recorded  # type: ignore[assignment]
+    return launched
+
+
 SIDE = 256  # 65536-element weights through the kernels (MIN_NUMEL made that); the biases go to torch
 
 
 def _train(rank: int, world_size: int, schedule: str) -> dict:
     kernels.MIN_NUMEL = SIDE * SIDE
-    launched = []
-    fits = kernels.fits
-    kernels.fits = lambda view, grad: launched.append(fits(view, grad)) or launched[-1]  # type: ignore[assignment]
+    launched = record_launches()
     model = _untrained()
     opt = ACCOOptimizer(model.parameters(), lr=1e-2, micro_batches=4, schedule=schedule, max_grad_norm=1.0)
     g = torch.Generator().manual_seed(rank)
