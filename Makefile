@@ -1,4 +1,4 @@
-.PHONY: style quality test test-slow test-gpu gpu-check test-latest test-range bench bench-ab docs wheel-check
+.PHONY: style quality test test-kernels test-slow test-gpu gpu-check test-latest test-range bench bench-ab docs wheel-check
 
 PY ?= python3
 
@@ -18,6 +18,13 @@ test:
 # commands run from outside the source tree, then the sdist (CI runs it after the tests)
 wheel-check:
 	bash .ci/wheel_check
+
+# The gradient hook's Triton kernels on CPU (Triton's interpreter; compiled for sm_80/sm_90 without a GPU): Triton is
+# ~1 GB, so neither CI nor the `tests` extra installs it; run this after a change to engine/kernels.py or
+# engine/triton_kernels.py (without Triton, tests/test_kernels.py's Triton tests skip)
+test-kernels:
+	$(PY) -m pip install -c constraints.txt -e ".[tests,kernels]"
+	$(PY) -m pytest -q tests/test_kernels.py
 
 test-slow:
 	$(PY) -m pytest -q -m slow

@@ -191,13 +191,14 @@ def measure(rank: int, world_size: int, cfg: dict) -> dict:
         def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001, ANN201
             traffic.measuring = cfg["warmup"] <= state.global_step < cfg["steps"] - 1
 
-    args = ACCOConfig(
-        output_dir=tempfile.mkdtemp(prefix="engine_traffic_"), per_device_train_batch_size=2,
-        gradient_accumulation_steps=cfg["micro_batches"], max_steps=cfg["steps"], learning_rate=1e-3,
-        acco_schedule=cfg["schedule"], bf16=True, use_cpu=cfg["device"] == "cpu", save_strategy="no",
-        report_to=[], logging_steps=cfg["steps"], disable_tqdm=True, seed=0,
-    )  # fmt: skip
-    ACCOTrainer(model=model, args=args, train_dataset=data, callbacks=[Window()]).train()
+    with tempfile.TemporaryDirectory(prefix="engine_traffic_") as out:  # (each rank its own: nothing is saved)
+        args = ACCOConfig(
+            output_dir=out, per_device_train_batch_size=2,
+            gradient_accumulation_steps=cfg["micro_batches"], max_steps=cfg["steps"], learning_rate=1e-3,
+            acco_schedule=cfg["schedule"], bf16=True, use_cpu=cfg["device"] == "cpu", save_strategy="no",
+            report_to=[], logging_steps=cfg["steps"], disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        ACCOTrainer(model=model, args=args, train_dataset=data, callbacks=[Window()]).train()
     steps = cfg["steps"] - 1 - cfg["warmup"]
     per = float(numel * steps)
     return {
