@@ -262,7 +262,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seq_len", type=POSITIVE_INT, default=2048, help="tokens a sequence")
     p.add_argument("--gradient_checkpointing", action="store_true", help="with --config: the activations' memory")
-    p.add_argument("--micro_batches", type=POSITIVE_INT, default=8, help="per GPU per step: the most the plan may use")
+    p.add_argument(
+        "--micro_batches",
+        type=POSITIVE_INT,
+        default=8,
+        help="per GPU per step (every method in the plan uses this many)",
+    )
     p.add_argument(
         "--param_dtype",
         "--model_dtype",
