@@ -4,9 +4,11 @@
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py
     # the Alpaca sample shipped in shared/data, LoRA, the DDP baseline
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py \\
-        --dataset_path ../shared/data/alpaca/alpaca_data_first200.json --use_lora --method ddp
-    # the same through TRL's SFTTrainer (prompt-completion data, loss on the completion only)
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py --trl
+        --dataset_path ../shared/data/alpaca/alpaca_data_random5000.json --use_lora --method ddp
+    # the same through TRL's SFTTrainer (prompt-completion data, loss on the completion only; on CPU, switch off
+    # the bf16 and gradient checkpointing that TRL's SFTConfig turns on by default)
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/alpaca_finetune.py --trl \\
+        --bf16 false --gradient_checkpointing false
     # a real model (its weights in bf16) and the Hub dataset on 8 GPUs
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/alpaca_finetune.py \\
         --model_name_or_path EleutherAI/pythia-410m --dtype bfloat16 --hub --bf16 --max_steps 1000
@@ -15,7 +17,8 @@ Steps: load the records; hold some out; build the model and tokenizer; format pr
 only); train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp), or with ``--trl`` ACCOSFTTrainer or TRL's
 SFTTrainer (TRL's defaults, its own tokenization and collator); measure held-out loss, and exact match of
 greedy answers when the data is the generated set, before and after; save the model (or adapter),
-metrics.json and loss_curve.png. Any training argument of ACCOConfig can be given on the command line.
+metrics.json and loss_curve.png. Any training argument of ACCOConfig can be given on the command line (the
+schedule by --method); DEFAULT_TRAINING_ARGS are this recipe's defaults, before it (--help lists them).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from hf_acco.tasks.alpaca import (
     normalise,
     tokenize_example,
 )
+from hf_acco.tasks.cli import defaults_help, refuse_schedule
 
 # Defaults for the offline main job; anything given on the command line comes after them and wins.
 DEFAULT_TRAINING_ARGS = [
@@ -181,10 +185,12 @@ def save_loss_curve(log_history: list[dict], path: Path) -> None:
 def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, Any, type]:
     """(script arguments, the method's training arguments, its trainer class) from the command line after the
     defaults. With --trl, TRL's config (and its defaults); its own max_length is the one --max_length sets."""
-    argv = DEFAULT_TRAINING_ARGS + argv
     trl = "--trl" in argv
     script_cls = _without(ScriptArguments, "max_length") if trl else ScriptArguments
-    parser = HfArgumentParser((script_cls, trainer_classes("acco", trl)[1]))
+    config_cls = trainer_classes("acco", trl)[1]
+    parser = HfArgumentParser((script_cls, config_cls), epilog=defaults_help(DEFAULT_TRAINING_ARGS))
+    refuse_schedule(parser, argv)
+    argv = DEFAULT_TRAINING_ARGS + argv
     script_args, training_args = parser.parse_args_into_dataclasses(argv)
     if trl:
         script_args.max_length = training_args.max_length

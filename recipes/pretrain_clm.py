@@ -6,11 +6,12 @@
         --text_path my_corpus.txt --hidden_size 768 --num_layers 12 --max_steps 20000 --bf16
 
 Steps: read the text (TinyStories from ../shared/data/text by default), tokenize it with a real tokenizer (the
-GPT-NeoX-20B tokenizer file in ../shared/data/tokenizers, or any --tokenizer_name_or_path), cut it into blocks,
-hold the last 5 % out; build the model from a config; train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp),
-evaluating the held-out loss every --eval_steps; at the end, LAMBADA accuracy and perplexity (first --lambada_docs
-passages) on the committed parameters. Writes metrics.json (val_losses per evaluation, tokens, final_val_loss,
-lambada_*) and the model. Every method sees the same data in the same order for a given --seed.
+GPT-NeoX-20B tokenizer file in ../shared/data/tokenizers, or any --tokenizer_name_or_path), cut it into blocks, hold
+the last 5 % out; build the model from a config; train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp), evaluating
+the held-out loss every --eval_steps (DEFAULT_TRAINING_ARGS are the recipe's defaults: --help lists them); at the end,
+LAMBADA accuracy and perplexity (first --lambada_docs passages) on the committed parameters. Writes metrics.json
+(val_losses per evaluation, tokens, final_val_loss, lambada_*) and the model. Every method sees the same data in the
+same order for a given --seed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from transformers import (
 
 from hf_acco import ACCOConfig, ACCOTrainer, end_training
 from hf_acco.integrations.baselines import baseline_arguments, bf16_wire_hook, check_ddp_wrapped
+from hf_acco.tasks.cli import defaults_help, refuse_schedule
 from hf_acco.tasks.lambada import encode_pair, load_jsonl_texts, score, split_context_target
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -182,8 +184,10 @@ def build_model(script_args: ScriptArguments, tokenizer: Any, seed: int) -> GPTN
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = DEFAULT_TRAINING_ARGS + list(sys.argv[1:] if argv is None else argv)
-    script_args, training_args = HfArgumentParser((ScriptArguments, ACCOConfig)).parse_args_into_dataclasses(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser((ScriptArguments, ACCOConfig), epilog=defaults_help(DEFAULT_TRAINING_ARGS))
+    refuse_schedule(parser, argv)
+    script_args, training_args = parser.parse_args_into_dataclasses(DEFAULT_TRAINING_ARGS + argv)
     if script_args.method == "ddp":
         training_args, trainer_cls = baseline_arguments(training_args, TrainingArguments), Trainer
     else:

@@ -1,4 +1,4 @@
-"""Train a tiny causal LM with ACCO from a hand-written Accelerate loop (the project's main job, offline).
+"""Train a tiny causal LM with ACCO from a hand-written loop: the engine's own API, offline (launched by Accelerate).
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/train_tiny.py
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/train_tiny.py --schedule sync
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
         if step % 20 == 0 and accelerator.is_main_process:
             print(f"step {step:4d}  train loss {sum(losses) / len(losses):.3f}  micro-batches {len(losses)}")
     elapsed = time.perf_counter() - start
-    with optimizer.committed_parameters():
-        loss_after = evaluate(model, held_out, args.seq_len)
+    optimizer.finalize()  # the round in flight drained, the committed parameters left in the model
+    loss_after = evaluate(model, held_out, args.seq_len)
     optimizer.close()
     metrics = {
         "schedule": args.schedule,

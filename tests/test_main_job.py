@@ -11,7 +11,7 @@ from .helpers import accelerate_launch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_main_job_launches_two_ranks_and_learns(tmp_path: Path) -> None:
+def test_the_hand_written_loop_recipe_launches_two_ranks_and_learns(tmp_path: Path) -> None:
     accelerate_launch(ROOT / "recipes/train_tiny.py", "--steps", "30", "--output_dir", str(tmp_path))
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["world_size"] == 2

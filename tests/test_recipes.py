@@ -100,6 +100,17 @@ def test_every_recipe_has_a_working_help(recipe: Path) -> None:
     assert "usage" in done.stdout.lower()
 
 
+@pytest.mark.parametrize("recipe", ["alpaca_finetune.py", "pretrain_clm.py"])
+def test_the_training_recipes_show_their_defaults_and_refuse_a_schedule_method_would_override(recipe: str) -> None:
+    """Their own training defaults come before the command line: --help lists them; the schedule is --method's."""
+    path = str(ROOT / "recipes" / recipe)
+    shown = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, timeout=120)
+    assert "This recipe's defaults" in shown.stdout and "--max_steps 300" in " ".join(shown.stdout.split())
+    for given in (["--acco_schedule", "sync"], ["--acco_schedule=sync"]):
+        done = subprocess.run([sys.executable, path, *given], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "sets the schedule with --method" in done.stderr, done.stderr[-2000:]
+
+
 def launch(recipe: str, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
     return accelerate_launch(ROOT / "recipes" / recipe, *args, timeout=timeout)
 

@@ -92,8 +92,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         accumulation (`str`, defaults to `"fixed"`): ``"fixed"``, ``"dynamic"`` or ``"paced"`` (the caller ends each
             half with ``end_half()`` and each step with ``end_step()``, and a rank may have no micro-batch in either:
             the claimed micro-batches of pacing.py).
-        micro_batches (`int`, defaults to 2): fixed mode: micro-batches per optimizer step per rank (even for
-            acco: half of them per half).
+        micro_batches (`int`, defaults to 2): fixed mode: micro-batches per optimizer step per rank, at least 2
+            (acco: k // 2 in the first half, the rest in the second).
         min_micro_batches (`int`, defaults to 1): dynamic mode: least micro-batches per half per rank.
         max_micro_batches (`int`, *optional*): dynamic mode: most micro-batches per half per rank.
         max_grad_norm (`float`, *optional*): clip the averaged gradient to this global norm.
@@ -107,7 +107,7 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         broadcast_parameters (`bool`, defaults to `True`): copy rank 0's parameters to every rank.
         auto_step (`bool`, defaults to `False`): ``after_backward`` ends the optimizer step itself when it is
             ready, and ``step()`` only marks the caller's window (for dynamic accumulation inside a loop whose
-            windows are a fixed number of micro-batches, such as Trainer's).
+            windows are a fixed number of micro-batches, such as ``prepare_acco``'s with Accelerate).
         nonfinite (`str`, defaults to `"skip"`): when the averaged gradient has an inf or NaN (seen by every rank
             in the all-reduced norm, so all take the same decision): ``"skip"`` the update (master, state and
             estimate stay as they are; counted in ``totals["skipped_steps"]``) or ``"error"``: stop with an error.

@@ -15,8 +15,8 @@ Why ``optimizer.step()``: Accelerate has no hook at the end of a backward, but t
 ``optimizer.step()`` after every backward and Accelerate forwards it only at the end of an accumulation window;
 the wrapper counts each call as one micro-batch and forwards the window's end to the ACCO optimizer.
 
-Slower and faster GPUs together, as ACCOTrainer's dynamic mode does it: ``accumulation="paced"`` and the
-micro-batches each rank claims (``acco_dataloader``; every sample once per epoch, a global batch of
+Slower and faster GPUs together, as ACCOTrainer's ``acco_accumulation="paced"`` does it: ``accumulation="paced"``
+and the micro-batches each rank claims (``acco_dataloader``; every sample once per epoch, a global batch of
 ``num_processes x gradient_accumulation_steps`` micro-batches per step)::
 
     model, optimizer = prepare_acco(accelerator, model, accumulation="paced", lr=3e-4)
@@ -94,6 +94,10 @@ def prepare_acco(
     buffers (BatchNorm's running statistics) before the first forward of each accumulation window, as DDP's forward
     does; False keeps each rank's own, as it is with dynamic or paced accumulation, whose ranks compute different
     numbers of micro-batches. Collective: every rank.
+
+    Returns ``(model, optimizer)``: the prepared model, and Accelerate's optimizer wrapper around the engine
+    (``optimizer.optimizer`` is the [`ACCOOptimizer`]: ``finalize()``, ``committed_parameters()``, ...). Raises
+    ``ValueError`` for ``broadcast_buffers=True`` under FSDP or with accumulation other than ``"fixed"``.
 
     With Accelerate set up for FSDP2 over several machines (``fsdp_version: 2`` and a parallelism config of
     ``dp_replicate_size`` machines x ``dp_shard_size`` GPUs each), FSDP shards the model inside each machine and the

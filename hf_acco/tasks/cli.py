@@ -1,0 +1,18 @@
+"""The recipes' command lines (``alpaca_finetune.py``, ``pretrain_clm.py``): each puts its own training defaults
+before what the user gives, and chooses the schedule from ``--method``. Their ``--help`` lists those defaults, and a
+``--acco_schedule`` that ``--method`` would silently override is refused."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def defaults_help(defaults: list[str]) -> str:
+    """The ``--help`` epilog: the recipe's own defaults, which the dataclasses' defaults above do not show."""
+    return "This recipe's defaults, before the command line (which overrides them): " + " ".join(defaults)
+
+
+def refuse_schedule(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Exits with the usage when the user's arguments set ``--acco_schedule``: the recipe sets it from ``--method``."""
+    if any(arg.split("=", 1)[0] == "--acco_schedule" for arg in argv):
+        parser.error("--acco_schedule: this recipe sets the schedule with --method (acco, dpu or sync).")
