@@ -13,16 +13,17 @@
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/alpaca_finetune.py \\
         --model_name_or_path EleutherAI/pythia-410m --dtype bfloat16 --hub --bf16 --max_steps 1000
 
-Steps: load the records; hold some out; build the model and tokenizer; format prompts (loss on the response
-only); train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp), or with ``--trl`` ACCOSFTTrainer or TRL's
-SFTTrainer (TRL's defaults, its own tokenization and collator); measure held-out loss, and exact match of
-greedy answers when the data is the generated set, before and after; save the model (or adapter),
-metrics.json and loss_curve.png. Any training argument of ACCOConfig can be given on the command line (the
-schedule by --method); DEFAULT_TRAINING_ARGS are this recipe's defaults, before it (--help lists them).
+Steps: load the records; hold some out; build the model and tokenizer; format prompts (loss on the response only);
+train with ACCOTrainer (acco, dpu, sync) or Trainer (ddp), or with ``--trl`` ACCOSFTTrainer or TRL's SFTTrainer (TRL's
+defaults, its own tokenization and collator); measure held-out loss, and exact match of greedy answers when the data is
+the generated set, before and after; save the model (or adapter, and with no --model_name_or_path the model it adapts
+in base_model/), metrics.json and loss_curve.png. Any training argument of ACCOConfig can be given on the command line
+(the schedule by --method); DEFAULT_TRAINING_ARGS are this recipe's defaults, before it (--help lists them).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -125,6 +126,9 @@ def load_data(args: ScriptArguments) -> tuple[list[dict], bool]:
 
 
 def build_model_and_tokenizer(args: ScriptArguments, records: list[dict]):
+    """(model, tokenizer, base): ``base`` is a copy of a model built here before LoRA wraps it (saved beside the
+    adapter, which is of no use without it), else None."""
+    base = None
     if args.model_name_or_path is not None:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         if tokenizer.pad_token is None:
@@ -138,12 +142,13 @@ def build_model_and_tokenizer(args: ScriptArguments, records: list[dict]):
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                              bos_token_id=tokenizer.eos_token_id)  # fmt: skip
         model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+        base = copy.deepcopy(model) if args.use_lora else None  # LoRA leaves these weights as they are
     if args.use_lora:
         from peft import LoraConfig, get_peft_model
 
         targets = args.lora_target_modules.split(",")
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets))
-    return model, tokenizer
+    return model, tokenizer, base
 
 
 @torch.no_grad()
@@ -215,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     heldout, train = records[: script_args.heldout], records[script_args.heldout :]
     # 2. model and tokenizer; 3. prompts, response-only labels
     set_seed(training_args.seed)  # LoRA's random initialisation: the same in every run with this seed, every method
-    model, tokenizer = build_model_and_tokenizer(script_args, records)
+    model, tokenizer, base = build_model_and_tokenizer(script_args, records)
     if script_args.trl:  # prompt-completion records: TRL tokenizes them and learns the completion only
         tokenize = lambda r: {"prompt": format_prompt(r), "completion": " " + r["output"]}  # noqa: E731
         collator = {}  # TRL's own
@@ -253,10 +258,19 @@ def main(argv: list[str] | None = None) -> dict:
     if checkable:
         metrics["exact_match_after"] = exact_match(trainer, tokenizer, heldout)
     metrics["steps"] = trainer.state.global_step
-    # 5. save: model or adapter (committed parameters), tokenizer, metrics, loss curve
-    trainer.save_model(str(output_dir := Path(training_args.output_dir)))
+    # 5. save: model or adapter (committed parameters), tokenizer, metrics, loss curve; an adapter on a model built
+    # here names the copy of that model saved beside it (base_model/), as an adapter names its Hub model
+    output_dir = Path(training_args.output_dir)
+    if base is not None:
+        trainer.accelerator.unwrap_model(trainer.model).peft_config["default"].base_model_name_or_path = str(
+            (output_dir / "base_model").resolve()
+        )
+    trainer.save_model(str(output_dir))
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(output_dir)
+        if base is not None:
+            base.save_pretrained(output_dir / "base_model")
+            tokenizer.save_pretrained(output_dir / "base_model")
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         save_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png")
         print(json.dumps(metrics, indent=2))

@@ -4,6 +4,8 @@
         --model_name_or_path outputs/alpaca_finetune --dataset_path ../shared/data/lambada/lambada_openai_test.jsonl
     accelerate launch --num_processes 8 recipes/lambada_eval.py --model_name_or_path EleutherAI/pythia-160m
     python recipes/lambada_eval.py --model_name_or_path base --adapter_path outputs/lora   # a PEFT adapter
+    # an adapter alpaca_finetune.py trained on the model it built (saved beside it in base_model/)
+    python recipes/lambada_eval.py --model_name_or_path outputs/lora/base_model --adapter_path outputs/lora
 
 Data: a local JSONL with a `text` field (--dataset_path), else the Hub's EleutherAI/lambada_openai test split.
 Each rank scores its share of the passages in batches (sorted by length); rank 0 gathers them, computes the

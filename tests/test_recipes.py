@@ -178,7 +178,7 @@ def test_alpaca_recipe_through_trl_sync_equals_sfttrainer_under_ddp(tmp_path: Pa
 
 
 @pytest.mark.skipif(not (DATA / "alpaca").is_dir(), reason="../shared/data/alpaca is absent")
-@pytest.mark.timeout(2 * 200 + 60)  # 2 launches, each given 200 s
+@pytest.mark.timeout(3 * 200 + 60)  # 3 launches, each given 200 s
 def test_alpaca_recipe_lora_on_the_shipped_sample_and_the_ddp_baseline(tmp_path: Path) -> None:
     sample = str(DATA / "alpaca" / "alpaca_data_first200.json")
     for method, extra in (("acco", ["--use_lora"]), ("ddp", [])):
@@ -187,7 +187,17 @@ def test_alpaca_recipe_lora_on_the_shipped_sample_and_the_ddp_baseline(tmp_path:
                "--method", method, "--output_dir", str(out), *extra)  # fmt: skip
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["method"] == method and "exact_match_after" not in metrics
-    assert (tmp_path / "acco" / "adapter_model.safetensors").is_file()
+    adapter = tmp_path / "acco"
+    assert (adapter / "adapter_model.safetensors").is_file()
+    # the adapter of a model built by the recipe comes with that model, and names it: it can be used later
+    base = adapter / "base_model"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+    lambada = tmp_path / "lambada.jsonl"
+    texts = [f"{r['instruction']} {r['output']}" for r in load_records(sample)[:8]]
+    lambada.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    launch("lambada_eval.py", "--model_name_or_path", str(base), "--adapter_path", str(adapter),
+           "--dataset_path", str(lambada), "--output_dir", str(tmp_path / "lambada"))  # fmt: skip
+    assert json.loads((tmp_path / "lambada" / "metrics.json").read_text())["num_docs"] == 8
 
 
 @pytest.mark.slow
