@@ -92,8 +92,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         accumulation (`str`, defaults to `"fixed"`): ``"fixed"``, ``"dynamic"`` or ``"paced"`` (the caller ends each
             half with ``end_half()`` and each step with ``end_step()``, and a rank may have no micro-batch in either:
             the claimed micro-batches of pacing.py).
-        micro_batches (`int`, defaults to 2): fixed mode: micro-batches per optimizer step per rank, at least 2
-            (acco: k // 2 in the first half, the rest in the second).
+        micro_batches (`int`, defaults to 2): fixed mode: micro-batches per optimizer step per rank (acco: at
+            least 2, k // 2 in the first half and the rest in the second).
         min_micro_batches (`int`, defaults to 1): dynamic mode: least micro-batches per half per rank.
         max_micro_batches (`int`, *optional*): dynamic mode: most micro-batches per half per rank.
         max_grad_norm (`float`, *optional*): clip the averaged gradient to this global norm.
