@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import time
@@ -89,6 +90,41 @@ def test_sigterm_preemption_checkpoint_is_consistent_and_resumes_exactly(tmp_pat
     resumed = train(tmp_path, acco=True, max_steps=40, resume="last", extra=extra)
     for r in range(2):
         assert torch.equal(flat(resumed[r]["params"]), flat(reference[r]["params"]))
+
+
+def test_the_jit_checkpoints_sentinel_is_gone_before_transformers_looks_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' JIT checkpoint removes its sentinel on every rank with a check, then a remove: where the ranks
+    share the output directory another rank can remove it in between, and this rank's remove fails. Simulated in one
+    process: the check reports the file and it is gone at once, as when another rank removes it then."""
+    from types import SimpleNamespace
+
+    from transformers.trainer_jit_checkpoint import CheckpointManager
+
+    from hf_acco.integrations.trainer.checkpoints import JIT_SENTINEL, _JITAgreement
+
+    saved = []
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=7), _get_output_dir=lambda trial: str(tmp_path))
+    trainer._save_checkpoint = lambda model, trial: saved.append(model)  # what the class method would do
+    sentinel = tmp_path / "checkpoint-7" / JIT_SENTINEL
+    exists = os.path.exists
+
+    def another_rank_removes_it_now(path: str) -> bool:
+        found = exists(path)
+        if found and os.path.abspath(path) == str(sentinel):
+            os.remove(path)
+        return found
+
+    monkeypatch.setattr(os.path, "exists", another_rank_removes_it_now)
+    trainer.model = "model"
+    with pytest.raises(FileNotFoundError):  # transformers' own, as it is
+        CheckpointManager(trainer).execute_jit_checkpoint()
+    manager = CheckpointManager(trainer)
+    _JITAgreement(trainer, manager)  # type: ignore[arg-type]
+    manager.execute_jit_checkpoint()
+    assert saved == ["model", "model"] and not exists(sentinel)
+    assert trainer._save_checkpoint.__name__ == "<lambda>"  # the trainer's own save is put back
 
 
 def nan_run(rank: int, world_size: int, nonfinite: str) -> dict:

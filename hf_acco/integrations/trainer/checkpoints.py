@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_acco.comm.communicator import PeerFailure, node
 from hf_acco.comm.groups import every_rank
@@ -182,9 +183,39 @@ class _JITAgreement(TrainerCallback):
     def __init__(self, trainer: ACCOTrainerMixin, manager: Any) -> None:
         self.trainer, self.manager, self.pending = trainer, manager, False
         manager._enable_checkpoint = self._mark  # called by the SIGTERM timer thread
+        original = manager.execute_jit_checkpoint
+        manager.execute_jit_checkpoint = lambda: self._execute(original)  # what the JIT callback calls
 
     def _mark(self) -> None:
         self.pending = True
+
+    def _execute(self, original: Any) -> None:
+        """Transformers' JIT checkpoint, its sentinel removed by every rank before any rank looks for it.
+
+        Each rank writes the sentinel into the checkpoint, saves, then removes it if it exists (a check, then a
+        remove): ranks sharing one output directory race there, and a rank whose remove finds the file already gone
+        fails with FileNotFoundError at the end of a checkpoint that did complete. Here each rank removes it (gone
+        already is fine) right after its save, and the ranks meet before transformers' check finds nothing."""
+        trainer, save = self.trainer, self.trainer._save_checkpoint
+
+        def save_then_clear(*args: Any, **kwargs: Any) -> Any:
+            out = save(*args, **kwargs)
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(trainer._get_output_dir(trial=None), folder, JIT_SENTINEL))
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
+            return out
+
+        own = "_save_checkpoint" in vars(trainer)  # already set on the instance (by its user): put it back after
+        trainer._save_checkpoint = save_then_clear  # type: ignore[method-assign]
+        try:
+            original()
+        finally:
+            if own:
+                trainer._save_checkpoint = save  # type: ignore[method-assign]
+            else:
+                del trainer._save_checkpoint  # the class's method again
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         flag = torch.tensor([1.0 if self.pending else 0.0], device=args.device)
