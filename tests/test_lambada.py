@@ -188,9 +188,8 @@ def test_recipe_on_two_ranks_equals_one_process_also_with_an_adapter(tmp_path: P
     assert got["lambada_acc"] == pytest.approx(want["lambada_acc"])
     assert got["lambada_ppl"] == pytest.approx(want["lambada_ppl"], rel=1e-5)
     # a LoRA adapter whose B matrices are not zero, so that it changes the scores
-    peft_model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["c_attn"])
-    )
+    lora = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)  # GPT-2's Conv1D stores W transposed
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
