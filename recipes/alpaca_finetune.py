@@ -190,7 +190,7 @@ def save_loss_curve(log_history: list[dict], path: Path) -> None:
 def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, Any, type]:
     """(script arguments, the method's training arguments, its trainer class) from the command line after the
     defaults. With --trl, TRL's config (and its defaults); its own max_length is the one --max_length sets."""
-    trl = "--trl" in argv
+    trl = HfArgumentParser(ScriptArguments, add_help=False).parse_known_args(argv)[0].trl  # --trl, --trl=false, ...
     script_cls = _without(ScriptArguments, "max_length") if trl else ScriptArguments
     config_cls = trainer_classes("acco", trl)[1]
     parser = HfArgumentParser((script_cls, config_cls), epilog=defaults_help(DEFAULT_TRAINING_ARGS))
@@ -262,15 +262,15 @@ def main(argv: list[str] | None = None) -> dict:
     # here names the copy of that model saved beside it (base_model/), as an adapter names its Hub model
     output_dir = Path(training_args.output_dir)
     if base is not None:
+        if training_args.should_save:  # first: peft reads the base's config.json as it saves the adapter
+            base.save_pretrained(output_dir / "base_model")
+            tokenizer.save_pretrained(output_dir / "base_model")
         trainer.accelerator.unwrap_model(trainer.model).peft_config["default"].base_model_name_or_path = str(
             (output_dir / "base_model").resolve()
         )
     trainer.save_model(str(output_dir))
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(output_dir)
-        if base is not None:
-            base.save_pretrained(output_dir / "base_model")
-            tokenizer.save_pretrained(output_dir / "base_model")
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         save_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png")
         print(json.dumps(metrics, indent=2))

@@ -106,7 +106,8 @@ def test_the_training_recipes_show_their_defaults_and_refuse_a_schedule_method_w
     path = str(ROOT / "recipes" / recipe)
     shown = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, timeout=120)
     assert "This recipe's defaults" in shown.stdout and "--max_steps 300" in " ".join(shown.stdout.split())
-    for given in (["--acco_schedule", "sync"], ["--acco_schedule=sync"]):
+    spellings = [["--acco_schedule", "sync"], ["--acco_schedule=sync"], ["--acco-schedule", "dpu"], ["--acco_sch=dpu"]]
+    for given in spellings:  # every spelling argparse takes: dashes, =, an abbreviation
         done = subprocess.run([sys.executable, path, *given], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "sets the schedule with --method" in done.stderr, done.stderr[-2000:]
 

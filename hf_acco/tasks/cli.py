@@ -13,6 +13,13 @@ def defaults_help(defaults: list[str]) -> str:
 
 
 def refuse_schedule(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    """Exits with the usage when the user's arguments set ``--acco_schedule``: the recipe sets it from ``--method``."""
-    if any(arg.split("=", 1)[0] == "--acco_schedule" for arg in argv):
+    """Exits with the usage when the user's arguments set ``--acco_schedule``: the recipe sets it from ``--method``.
+    argparse itself reads ``argv`` (every spelling it takes: ``--acco-schedule``, ``=``, an abbreviation)."""
+    default = parser.get_default("acco_schedule")
+    parser.set_defaults(acco_schedule=None)
+    try:
+        given = parser.parse_known_args(argv)[0].acco_schedule
+    finally:
+        parser.set_defaults(acco_schedule=default)
+    if given is not None:
         parser.error("--acco_schedule: this recipe sets the schedule with --method (acco, dpu or sync).")
