@@ -34,6 +34,17 @@ def clones(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def load_script(path: Path):  # noqa: ANN201 - the script's module
+    """A script that is no package's module (benchmarks/*.py), imported from its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def accelerate_launch(
     script: Path | str,
     *args: str,

@@ -14,6 +14,8 @@ import torch
 from hf_acco.tools.bench import link, report
 from hf_acco.tools.bench.headline import summarise_setting
 
+from .helpers import load_script
+
 
 def rank_log(method, *, step=0.5, steps=6, k=4, t_micro=0.1, wait=0.05, loss0=5.0, tx=None, mem=100, acc="fixed"):
     """A rank's log: steps every `step` s, k micro-batches per step spread over it, loss falling by 0.1 each."""
@@ -442,14 +444,9 @@ def test_a_nodes_ranks_share_its_uplink_and_talk_fast_inside_it():
 
 def test_bench_ab_summarises_the_runs_it_finds_side_by_side(tmp_path):
     """benchmarks/bench_ab.py --summarize: every base-N / head-N run's headline figures, and their medians."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ab.py"
-    spec = importlib.util.spec_from_file_location("bench_ab", path)
-    assert spec is not None and spec.loader is not None
-    bench_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_ab)
+    bench_ab = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ab.py")
 
     def run(acco_step, sync_step=0.5, ddp_step=0.4):
         methods = {"acco": acco_step, "sync": sync_step, "ddp": ddp_step}

@@ -10,6 +10,8 @@ import torch
 
 from hf_acco.tools.multiprocess import run_ranks
 
+from .helpers import load_script
+
 
 def _gathers(rank: int, world_size: int, dtype: torch.dtype, point_to_point: bool = True) -> dict:
     import torch.distributed as dist
@@ -89,15 +91,10 @@ def test_a_rounds_output_is_all_gathered_by_gloos_own_collective() -> None:
 
 def test_the_round_cpu_profile_times_every_component_of_a_round(tmp_path) -> None:  # noqa: ANN001
     """benchmarks/round_cpu.py instruments the engine's own methods: each is called as often as a round calls it."""
-    import importlib.util
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "round_cpu.py"
-    spec = importlib.util.spec_from_file_location("round_cpu", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "round_cpu.py")
     module.main(["--rounds", "8", "--out", str(tmp_path / "round_cpu.json")])
     parts = json.loads((tmp_path / "round_cpu.json").read_text())["components"]
     calls = {label: part["calls_per_round"] for label, part in parts.items()}

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,11 +44,7 @@ def test_without_a_gpu_the_default_says_what_to_run_instead(tmp_path: Path) -> N
 
 
 def _gpu_check():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    return gpu_check
+    return load_script(ROOT / "benchmarks" / "gpu_check.py")
 
 
 def test_device_to_host_copies_are_told_apart_by_the_thread_that_asked() -> None:
