@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_acco import ACCOConfig, consolidate_state_dicts
+from hf_acco.tools.checkpoint_cli import main as checkpoint_cli
 from hf_acco.tools.multiprocess import run_ranks
 
 from .helpers import rel
@@ -25,7 +26,8 @@ def train(out: Path, acco: bool, world_size: int = 2, fail_fast: bool = True, **
     extra = options.pop("extra", {})
     argv = ["--output_dir", str(out), "--extra", json.dumps(extra)] + (["--acco"] if acco else [])
     for key, value in options.items():
-        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+        if value is not False:  # a flag left off
+            argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     return run_ranks(_script, world_size=world_size, backend=None, argv=argv, fail_fast=fail_fast, timeout=180)
 
 
@@ -122,6 +124,43 @@ def test_checkpoint_from_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     # it continues from the 2-rank state (not from scratch): the first loss is where the 2-rank run was
     assert after[0] == pytest.approx(losses(two[0])[6], rel=0.03)
     assert after[0] < losses(two[0])[0] - 0.05
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_plain_trainer_checkpoint_resumes_under_acco_trainer_with_its_optimizer_state(
+    tmp_path: Path, lora: bool
+) -> None:
+    """A DDP job switched to ACCO: the class changes, resume_from_checkpoint=True stays. Trainer's optimizer.pt
+    (moments, step counts) becomes the engine's state: under sync the run goes on as DDP's does. With LoRA one of
+    Trainer's two groups is empty (no adapter weight is without decay): the engine has one, and so its scheduler."""
+    ddp = train(tmp_path, acco=False, save_steps=6, lora=lora)
+    (tmp_path / "checkpoint-12").rename(tmp_path / "later")  # resume=last finds checkpoint-6
+    sync = train(tmp_path, acco=True, resume="last", lora=lora, extra={"acco_schedule": "sync"})
+    assert losses(sync[0])[-6:] == pytest.approx(losses(ddp[0])[-6:], rel=1e-5)
+    assert rel(flat(sync[0]["params"]), flat(ddp[0]["params"])) < 1e-6
+    first = next(h for h in sync[0]["log_history"] if "acco_optimizer_steps" in h)
+    assert (first["step"], first["acco_optimizer_steps"]) == (7, 7)  # the engine counts on from the checkpoint
+    acco = train(tmp_path / "acco", acco=True, resume=tmp_path / "checkpoint-6", lora=lora)
+    assert max(abs(a - b) / b for a, b in zip(losses(acco[0])[-6:], losses(ddp[0])[-6:])) < 0.01
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_to_trainer_lets_plain_trainer_resume_an_acco_checkpoint_with_its_optimizer_state(
+    tmp_path: Path, lora: bool
+) -> None:
+    """The other way: ``python -m hf_acco.checkpoint to-trainer`` writes optimizer.pt beside the shards (and gives
+    the scheduler back Trainer's empty group, with LoRA); plain Trainer (which resumes without optimizer state when
+    it finds none) goes on as ACCOTrainer's sync run does, and ACCOTrainer still resumes from its shards."""
+    sync = train(tmp_path, acco=True, save_steps=6, lora=lora, extra={"acco_schedule": "sync"})
+    checkpoint = tmp_path / "checkpoint-6"
+    checkpoint_cli(["to-trainer", str(checkpoint)])
+    plain = train(tmp_path / "plain", acco=False, resume=checkpoint, lora=lora)
+    assert losses(plain[0])[-6:] == pytest.approx(losses(sync[0])[-6:], rel=1e-5)
+    assert rel(flat(plain[0]["params"]), flat(sync[0]["params"])) < 1e-6
+    again = train(tmp_path / "again", acco=True, resume=checkpoint, lora=lora, extra={"acco_schedule": "sync"})
+    assert torch.equal(flat(again[0]["params"]), flat(sync[0]["params"]))  # the shards, exactly as before
+    with pytest.raises(SystemExit):  # a directory without shards: a usage error that says so
+        checkpoint_cli(["to-trainer", str(tmp_path / "plain")])
 
 
 def test_lora_trains_and_checkpoints_only_the_adapters(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``python -m hf_acco.checkpoint``: ACCO's optimizer shards of per-node checkpoints (``save_on_each_node=True``).
+"""``python -m hf_acco.checkpoint``: ACCO's optimizer shards on disk, for per-node checkpoints and for plain Trainer.
 
 gather --into DIR NODE_DIRS...   copy every machine's shards into one directory (it then resumes on any number
                                  of ranks)
@@ -7,19 +7,29 @@ rebuild CHECKPOINT_DIR [--ranks R ...]
                                  any more, from the surviving shards and the checkpoint's model weights
                                  (``hf_acco.engine.rebuild``: exact master for an fp32 model, their optimizer
                                  moments restart)
+to-trainer CHECKPOINT_DIR        write the optimizer state as plain Trainer's optimizer.pt (torch's state dict
+                                 of its AdamW), so that plain Trainer resumes the checkpoint with it
+                                 (ACCOTrainer goes on reading its shards)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from hf_acco.engine.checkpoint import gather_shards
+from hf_acco.engine.checkpoint import _part_folders, _read, atomic_save, gather_shards, shard_files
 from hf_acco.engine.rebuild import rebuild_shards
+from hf_acco.engine.torch_format import scheduler_with_empty_groups, torch_state_from_shards
 
+TRAINER_OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+# names transformers' get_decay_parameter_names leaves out of weight decay (with LayerNorm modules' weights)
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
 
 
@@ -54,6 +64,55 @@ def trainer_checkpoint_weights(directory: str | Path) -> dict[str, torch.Tensor]
     return weights
 
 
+def trainer_group_sizes(shard: dict[str, Any]) -> list[int]:
+    """The sizes of the parameter groups of the optimizer plain Trainer builds for this run: ACCOTrainer drops an
+    empty one of Trainer's two (weight decay, no decay; a LoRA adapter has no parameter without decay), which
+    torch's ``load_state_dict`` needs back. Groups without parameter names are an optimizer the user passed: kept
+    as they are."""
+    groups = shard["param_groups"]
+    sizes = [len(g["params"]) for g in groups]
+    if len(groups) != 1 or not groups[0].get("param_names"):
+        return sizes
+    names, decay = groups[0]["param_names"], groups[0].get("weight_decay", 0.0)
+    if not decay and all(NO_DECAY.search(n.lower()) for n in names):
+        return [0, sizes[0]]  # only parameters without decay (biases, norms) are trained
+    return [sizes[0], 0]
+
+
+def export_for_trainer(directory: str | Path) -> Path:
+    """Write ``optimizer.pt`` into the ACCO checkpoint ``directory``: torch's state dict of plain Trainer's optimizer,
+    from every rank's shard, parameter by parameter (the shards memory-mapped). Returns the file."""
+    directory = Path(directory)
+    if _part_folders(directory):
+        raise ValueError(
+            f"{directory} was written with FSDP inside each machine: its optimizer state covers FSDP's local shards, "
+            "which plain Trainer's FSDP checkpoint stores otherwise. Resume it with ACCOTrainer."
+        )
+    found = shard_files(directory)
+    if len(found) != 1:
+        raise FileNotFoundError(
+            f"{directory} has no single set of ACCO optimizer shards (acco_optimizer_rank*_of_*.pt; found world "
+            f"sizes {sorted(found)}): point at a checkpoint-N directory that ACCOTrainer wrote."
+        )
+    ((world, files),) = found.items()
+    missing = sorted(set(range(world)) - set(files))
+    if missing:
+        raise FileNotFoundError(
+            f"{directory} lacks the optimizer shards of ranks {missing} (of {world}): gather every node's shards "
+            "first (python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...)."
+        )
+    shards = [_read(files[r]) for r in range(world)]
+    sizes = trainer_group_sizes(shards[0])
+    target = directory / TRAINER_OPTIMIZER
+    atomic_save(torch_state_from_shards(shards, sizes), target)
+    scheduler = directory / SCHEDULER
+    if scheduler.is_file():  # Trainer's scheduler has an entry for each of its groups: the empty one's put back
+        # (ACCOTrainer drops it again where it finds optimizer.pt beside: checkpoints.load_engine_state)
+        state = torch.load(scheduler, map_location="cpu", weights_only=True)
+        atomic_save(scheduler_with_empty_groups(state, sizes), scheduler)
+    return target
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hf_acco.checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -66,6 +125,8 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("checkpoint", help="a checkpoint-N directory copied from a machine that kept its disk")
     r.add_argument("--ranks", type=int, nargs="+", default=None,
                    help="the ranks to rebuild (default: every rank whose shard is not in the directory)")  # fmt: skip
+    t = sub.add_parser("to-trainer", help="write optimizer.pt, as plain Trainer saves it, beside the shards")
+    t.add_argument("checkpoint", help="a checkpoint-N directory ACCOTrainer wrote (every rank's shard in it)")
     return p
 
 
@@ -76,6 +137,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "gather":
             written = gather_shards(args.sources, args.into)
             print(f"{len(written)} optimizer shards in {args.into}")
+            return
+        if args.command == "to-trainer":
+            target = export_for_trainer(args.checkpoint)
+            print(
+                f"Wrote {target}: plain Trainer resumes {args.checkpoint} with this optimizer state "
+                "(resume_from_checkpoint); ACCOTrainer goes on reading the shards."
+            )
             return
         written = rebuild_shards(args.checkpoint, trainer_checkpoint_weights(args.checkpoint), args.ranks)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:

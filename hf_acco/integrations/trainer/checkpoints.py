@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +19,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_acco.comm.communicator import PeerFailure, node
 from hf_acco.comm.groups import every_rank
-from hf_acco.engine.checkpoint import atomic_save, load_optimizer_state, missing_shards, save_optimizer_state
+from hf_acco.engine.checkpoint import (
+    _part_folders,
+    atomic_save,
+    load_optimizer_state,
+    missing_shards,
+    save_optimizer_state,
+    shard_files,
+)
+from hf_acco.engine.torch_format import scheduler_without_empty_groups, shard_from_torch_state
 from hf_acco.integrations.trainer.engine import engine_of
 
 if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
@@ -30,6 +39,14 @@ SCHEDULER_NAME = "scheduler.pt"
 DATA_STATE_NAME = "acco_data_state.json"  # paced accumulation: the position in the epoch (pacing.Pacer.state_dict)
 TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
+OPTIMIZER_NAME = "optimizer.pt"  # plain Trainer's optimizer state (transformers.trainer.OPTIMIZER_NAME)
+
+
+def is_trainer_checkpoint(path: str) -> bool:
+    """A checkpoint of plain Trainer (DDP or one process): its ``optimizer.pt`` holds the whole optimizer state, and
+    no ACCO shards are there. ACCOTrainer resumes it too (``import_trainer_optimizer``)."""
+    has_optimizer = os.path.isfile(os.path.join(path, OPTIMIZER_NAME))
+    return has_optimizer and not shard_files(path) and not _part_folders(Path(path))
 
 
 def checkpoint_incomplete(path: str, world_size: int | None = None, ranks: list[int] | None = None) -> str | None:
@@ -51,6 +68,8 @@ def checkpoint_incomplete(path: str, world_size: int | None = None, ranks: list[
         return f"its {TRAINER_STATE_NAME} is truncated"
     if os.path.exists(os.path.join(path, JIT_SENTINEL)):
         return "its pre-emption (JIT) checkpoint did not finish"
+    if is_trainer_checkpoint(path):  # plain Trainer's, complete once its trainer state is written
+        return None
     missing = missing_shards(path, world_size, ranks)
     return f"it lacks {missing}" if missing else None
 
@@ -157,11 +176,41 @@ def save_fsdp_model_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
 
 
 def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
-    load_optimizer_state(engine_of(trainer), checkpoint)  # collective; re-shards if the world size changed
+    if is_trainer_checkpoint(checkpoint):
+        import_trainer_optimizer(trainer, checkpoint)
+    else:
+        load_optimizer_state(engine_of(trainer), checkpoint)  # collective; re-shards if the world size changed
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
     if os.path.isfile(scheduler_file):
         state = torch.load(scheduler_file, map_location="cpu", weights_only=True)
+        optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
+        if os.path.isfile(optimizer_file):  # plain Trainer's (or to-trainer's) scheduler: a list entry for each of
+            # Trainer's two groups, where the engine has only the non-empty ones
+            groups = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)["param_groups"]
+            state = scheduler_without_empty_groups(state, [len(g["params"]) for g in groups])
         trainer.lr_scheduler.load_state_dict(state)  # type: ignore[union-attr]  # (Trainer's, built by then)
+
+
+def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
+    """Plain Trainer's ``optimizer.pt`` into the engine (collective): the same moments, each parameter's step count,
+    the groups' hyper-parameters, every rank reading only its own ranges (memory-mapped); the master weights are
+    the model Trainer has just loaded from the checkpoint's model files, the engine's step count the checkpoint's
+    ``global_step``. A bad file raises on every rank, and nothing is loaded."""
+    acco, error, state = engine_of(trainer), None, None
+    try:
+        saved = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True, mmap=True)
+        with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
+            step = int(json.load(f)["global_step"])
+        state = shard_from_torch_state(acco.state_dict(), acco.layout, acco.comm.rank, saved, step)
+    except (ValueError, KeyError, RuntimeError, OSError) as e:
+        error = ValueError(
+            f"Could not resume the plain Trainer checkpoint {checkpoint} under ACCOTrainer: {e} Resume it with "
+            "plain Trainer, or start from its model files without the optimizer state."
+        )
+    acco.raise_if_any_rank_failed(error)
+    assert state is not None  # (raised above otherwise)
+    acco.load_state_dict(state)
+    logger.info("Resumed plain Trainer's optimizer state from %s (%d steps)", checkpoint, state["step_count"])
 
 
 def ranks_meet_before_trainer_state() -> None:

@@ -1,0 +1,226 @@
+"""The optimizer state as torch's optimizers save it, to and from this engine's shards (pure torch).
+
+torch's ``Optimizer.state_dict()`` (what plain Trainer writes as ``optimizer.pt``) holds each parameter's state by
+its number, the parameters numbered in the order of the parameter groups, with each group's hyper-parameters. The
+engine's layout lists the same trainable parameters in the same order (``trainable_parameters``: group by group),
+so parameter ``k`` of the ``j``-th non-empty group is the same parameter on both sides.
+
+* ``shard_from_torch_state``: this rank's shard state from such a state dict (a plain Trainer checkpoint resumed
+  under ACCO). Each rank reads only its own ranges of the saved tensors (memory-mapped by ``torch.load``).
+* ``torch_state_from_shards``: torch's state dict from every rank's shard (an ACCO checkpoint resumed by plain
+  Trainer), built parameter by parameter from the (memory-mapped) shards.
+
+Per-element state (Adam's moments) moves exactly, in the master's dtype; each parameter's scalar state (``step``)
+with it; a parameter torch never stepped has no state on either side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hf_acco.comm.sharding import FlatLayout
+from hf_acco.engine.shard_state import merge_param_scalars
+
+# torch's own implementation switches, not hyper-parameters of the update: the running optimizer's are kept
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "params", "param_names")
+
+
+def shard_runs(layout: FlatLayout, rank: int) -> list[tuple[int, int, int, int]]:
+    """(parameter index, start in this rank's shard, start in the parameter's flat elements, length) of each run of
+    this rank's shard that holds one parameter's elements."""
+    runs = []
+    for i, start, end in layout.shard_param_pieces(rank):
+        bucket, offset = divmod(start, layout.chunk)
+        first = bucket * layout.bucket_size + rank * layout.chunk + offset - layout.offsets[i]
+        runs.append((i, start, first, end - start))
+    return runs
+
+
+def _group_members(groups: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(group index, the layout's parameter indices in it) of each non-empty group, in order."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    return sorted(members.items())
+
+
+def _numbering(layout: FlatLayout, saved: dict[str, Any]) -> tuple[dict[int, int], dict[int, dict[str, Any]]]:
+    """{torch's parameter number: the layout's index}, and {the engine's group index: the saved group}, non-empty
+    ones; a ValueError that says what differs when the saved groups are not this layout's."""
+    if not isinstance(saved, dict) or not {"state", "param_groups"} <= set(saved):
+        raise ValueError("Not a torch optimizer state dict (it has no 'state' and 'param_groups').")
+    groups = [g for g in saved["param_groups"] if g["params"]]
+    members = [indices for _, indices in _group_members(layout.groups)]
+    sizes, ours = [len(g["params"]) for g in groups], [len(m) for m in members]
+    if sizes != ours:
+        raise ValueError(
+            f"The optimizer state has parameter groups of {sizes} parameters, this run's optimizer {ours} (weight "
+            "decay / no decay, trainable parameters only). Resume it with the model, trainable parameters (LoRA "
+            "config, frozen layers) and optimizer grouping of the run that wrote it."
+        )
+    for group, indices in zip(groups, members):
+        names = group.get("param_names")
+        if names is not None and list(names) != [layout.names[i] for i in indices]:
+            raise ValueError(
+                f"The optimizer state's parameter names ({names[:3]}...) are not this run's "
+                f"({[layout.names[i] for i in indices[:3]]}...): it was written for another model."
+            )
+    numbering = {int(n): i for group, indices in zip(groups, members) for n, i in zip(group["params"], indices)}
+    return numbering, {g: group for (g, _), group in zip(_group_members(layout.groups), groups)}
+
+
+def _split_keys(layout: FlatLayout, state: dict[int, dict[str, Any]], numbering: dict[int, int]) -> tuple[set, set]:
+    """(per-element keys, scalar keys) of a torch state: a per-element value has its parameter's shape."""
+    element, scalar = set(), set()
+    for n, values in state.items():
+        shape = tuple(layout.shapes[numbering[int(n)]])
+        for key, value in values.items():
+            if not torch.is_tensor(value):
+                continue
+            if tuple(value.shape) == shape and math.prod(shape) > 1:
+                element.add(key)
+            elif value.numel() == 1:
+                scalar.add(key)
+    return element, scalar - element
+
+
+def shard_from_torch_state(
+    template: dict[str, Any], layout: FlatLayout, rank: int, saved: dict[str, Any], step_count: int
+) -> dict[str, Any]:
+    """This rank's shard state (loadable by ``ACCOOptimizer.load_state_dict``) with the optimizer state of a torch
+    state dict ``saved`` over the same trainable parameters: its per-element state, each parameter's scalars, its
+    groups' hyper-parameters (the running optimizer's implementation switches kept); the master and the model
+    from the model as it is (``template``: this engine's ``state_dict()`` at a step boundary, whose ``model`` is
+    this rank's pieces of the model's parameters); ``step_count`` optimizer steps done."""
+    numbering, groups = _numbering(layout, saved)
+    state: dict[int, dict[str, Any]] = {int(n): v for n, v in saved["state"].items()}
+    unknown = sorted(set(state) - set(numbering))
+    if unknown:
+        raise ValueError(f"The optimizer state has state for parameter numbers {unknown[:5]} that no group holds.")
+    element, scalar = _split_keys(layout, state, numbering)
+    ours = set(template["optim_state"])
+    if ours and element and element != ours:
+        raise ValueError(
+            f"The optimizer state keeps {sorted(element)} per element, this run's optimizer {sorted(ours)}: resume "
+            "it with the optimizer (optim) of the run that wrote it."
+        )
+    master = template["master"]
+    by_index = {numbering[n]: values for n, values in state.items()}
+    vectors = {key: torch.zeros_like(master) for key in (element or ours)}
+    for i, start, first, length in shard_runs(layout, rank):
+        values = by_index.get(i)
+        if values is None:
+            continue  # never stepped: zeros, and no scalars (below)
+        for key, vector in vectors.items():
+            value = values.get(key)
+            if value is None:
+                raise ValueError(f"The optimizer state of {layout.names[i]} has no {key!r}.")
+            vector[start : start + length].copy_(value.reshape(-1)[first : first + length])
+    param_scalars = {key: torch.full((len(layout.names),), math.nan, dtype=torch.float64) for key in scalar}
+    scalars: dict[str, torch.Tensor] = {}
+    for i, values in by_index.items():
+        for key in scalar:
+            value = values[key]
+            param_scalars[key][i] = float(value)
+            scalars.setdefault(key, torch.as_tensor(value).detach().clone().reshape(()))
+    hparams = [dict(hp) for hp in template["hparams"]]
+    for g, group in groups.items():
+        hparams[g].update({k: v for k, v in group.items() if k in hparams[g] and k not in _IMPLEMENTATION})
+    out = dict(template)
+    out.update(
+        step_count=step_count,
+        pending_commit=False,
+        hparams=hparams,
+        master=template["model"].to(master.dtype),  # the model's parameters as loaded: the committed ones
+        optim_state=vectors,
+        optim_scalars=scalars or template["optim_scalars"],
+        optim_param_scalars=param_scalars,
+    )
+    out.pop("int8_residual", None)  # no rounding carried over: a fresh residual
+    return out
+
+
+def torch_state_from_shards(shards: Sequence[dict[str, Any]], group_sizes: Sequence[int] | None = None) -> dict:
+    """torch's ``Optimizer.state_dict()`` of the optimizer over the whole model, from every rank's shard (one run,
+    any order): each parameter's per-element state and scalars, the groups' hyper-parameters. ``group_sizes``: the
+    number of parameters in each of the groups of the optimizer that will load it, empty ones included (plain
+    Trainer always has two: weight decay, no decay); by default the engine's (non-empty) groups."""
+    shards = sorted(shards, key=lambda s: s["rank"])
+    meta = shards[0]["layout"]
+    if [s["rank"] for s in shards] != list(range(meta["world_size"])):
+        raise ValueError(f"need the shards of all {meta['world_size']} ranks, got ranks {[s['rank'] for s in shards]}")
+    layout = FlatLayout.from_meta(meta)
+    pieces: dict[int, list[tuple[int, int, int, int]]] = {}  # parameter -> (rank, shard start, its start, length)
+    for rank in range(layout.world_size):
+        for i, start, first, length in shard_runs(layout, rank):
+            pieces.setdefault(i, []).append((rank, start, first, length))
+    scalars = merge_param_scalars(list(shards))
+    state: dict[int, dict[str, Any]] = {}
+    for i, shape in enumerate(layout.shapes):
+        if "step" in scalars and not float(scalars["step"][i]) > 0:
+            continue  # never stepped (NaN, or the engine's zeros made ahead of a first step): torch keeps no state
+        values: dict[str, Any] = {}
+        for key in shards[0]["optim_state"]:
+            flat = torch.empty(math.prod(shape), dtype=shards[0]["optim_state"][key].dtype)
+            for rank, start, first, length in pieces.get(i, []):
+                flat[first : first + length].copy_(shards[rank]["optim_state"][key][start : start + length])
+            values[key] = flat.reshape(shape)
+        for key, vector in scalars.items():
+            template = shards[0]["optim_scalars"].get(key)
+            dtype = template.dtype if template is not None else torch.float32
+            values[key] = torch.tensor(float(vector[i]), dtype=dtype)
+        state[i] = values
+    members = _group_members(layout.groups)
+    hparams = shards[0]["hparams"]
+    sizes = list(group_sizes) if group_sizes is not None else [len(m) for _, m in members]
+    if [s for s in sizes if s] != [len(m) for _, m in members]:
+        raise ValueError(
+            f"group_sizes {sizes} do not hold the engine's groups of {[len(m) for _, m in members]} parameters in "
+            "order"
+        )
+    param_groups, filled = [], iter(members)
+    for size in sizes:
+        if size:
+            g, indices = next(filled)
+            hp = hparams[g]
+        else:  # an empty group: its neighbour's settings (plain Trainer's other group, no weight decay)
+            indices, hp = [], {**hparams[members[0][0]], "weight_decay": 0.0}
+        param_groups.append({**hp, "params": list(indices)})
+    return {"state": state, "param_groups": param_groups}
+
+
+# A learning-rate scheduler's lists with one entry per parameter group (torch's LambdaLR, ReduceLROnPlateau)
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs")
+
+
+def scheduler_without_empty_groups(state: dict[str, Any], sizes: Sequence[int]) -> dict[str, Any]:
+    """A scheduler's state dict over groups of ``sizes`` parameters (plain Trainer's two, one maybe empty) for an
+    optimizer without the empty ones (the engine's): their entries dropped from each per-group list."""
+    if all(sizes):
+        return state
+    keep = [i for i, n in enumerate(sizes) if n]
+    out = dict(state)
+    for key in _PER_GROUP:
+        value = state.get(key)
+        if isinstance(value, list) and len(value) == len(sizes):
+            out[key] = [value[i] for i in keep]
+    return out
+
+
+def scheduler_with_empty_groups(state: dict[str, Any], sizes: Sequence[int]) -> dict[str, Any]:
+    """The other way: a scheduler's state over the engine's (non-empty) groups for an optimizer with groups of
+    ``sizes`` parameters, an empty group given its neighbour's entry (plain Trainer sets both alike)."""
+    kept = [n for n in sizes if n]
+    if len(kept) == len(sizes):
+        return state
+    out = dict(state)
+    for key in _PER_GROUP:
+        value = state.get(key)
+        if isinstance(value, list) and len(value) == len(kept) and value:
+            entries = iter(value)
+            out[key] = [next(entries) if n else value[0] for n in sizes]
+    return out

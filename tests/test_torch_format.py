@@ -1,0 +1,182 @@
+"""torch's optimizer state dict (plain Trainer's optimizer.pt) to and from the engine's shards: exact both ways, at 1,
+2 and 3 ranks, and what a state of another model or optimizer says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_acco import ACCOOptimizer
+from hf_acco.engine.torch_format import (
+    scheduler_with_empty_groups,
+    scheduler_without_empty_groups,
+    shard_from_torch_state,
+    torch_state_from_shards,
+)
+from hf_acco.tools.checkpoint_cli import trainer_group_sizes
+from hf_acco.tools.multiprocess import run_ranks
+
+from .models import batch, decay_groups, mean_loss, tiny_llama
+
+HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-7}
+FROZEN_UNTIL_LAST = "model.norm.weight"  # no gradient in the first steps: torch keeps no state for it until then
+
+
+def torch_run(steps: int, skip_last: bool = False) -> tuple[torch.nn.Module, dict]:
+    """A tiny Llama trained ``steps`` steps by torch's AdamW over Trainer's two groups; returns the model and the
+    optimizer's state dict. ``skip_last``: one parameter gets no gradient in any step (never stepped)."""
+    model = tiny_llama(seed=0)
+    opt = torch.optim.AdamW(decay_groups(model, 0.1), **HP)
+    for t in range(steps):
+        loss = mean_loss(model, batch(0, t))[0]
+        loss.backward()
+        if skip_last:
+            dict(model.named_parameters())[FROZEN_UNTIL_LAST].grad = None
+        opt.step()
+        opt.zero_grad()
+    return model, opt.state_dict()
+
+
+def import_and_save(rank: int, world_size: int, saved: dict, weights: dict) -> dict:
+    model = tiny_llama(seed=1)  # other weights: the engine's master must come from the model as loaded
+    model.load_state_dict(weights)
+    opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=2, **HP)
+    opt.load_state_dict(shard_from_torch_state(opt.state_dict(), opt.layout, rank, saved, step_count=3))
+    state = opt.state_dict()
+    opt.close()
+    return state
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_torch_optimizer_state_goes_into_the_shards_and_back_unchanged(world_size: int) -> None:
+    model, saved = torch_run(3, skip_last=True)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    shards = run_ranks(import_and_save, world_size=world_size, saved=saved, weights=weights)
+    assert all(s["step_count"] == 3 for s in shards)
+    back = torch_state_from_shards(shards, group_sizes=[len(g["params"]) for g in saved["param_groups"]])
+    assert back["state"].keys() == saved["state"].keys()  # the never-stepped parameter has no state on either side
+    for n, values in saved["state"].items():
+        assert back["state"][n].keys() == values.keys()
+        for key, value in values.items():
+            assert torch.equal(back["state"][n][key], value), (n, key)
+            assert back["state"][n][key].dtype == value.dtype
+    for ours, theirs in zip(back["param_groups"], saved["param_groups"]):
+        assert ours["params"] == theirs["params"]
+        for key in ("lr", "betas", "eps", "weight_decay"):  # (torch fills in its defaults at load)
+            assert ours[key] == theirs[key], key
+    master = torch.cat([s["master"] for s in shards]) if world_size == 1 else None
+    if master is not None:  # the committed parameters are the model's
+        flat = torch.cat([p.detach().reshape(-1) for g in decay_groups(model, 0.1) for p in g["params"]])
+        assert torch.equal(master[: flat.numel()], flat)
+
+
+def continue_run(rank: int, world_size: int, saved: dict | None, weights: dict, steps: int) -> dict:
+    model = tiny_llama(seed=1)
+    model.load_state_dict(weights)
+    opt = ACCOOptimizer(decay_groups(model, 0.1), schedule="sync", micro_batches=2, **HP)
+    if saved is not None:  # else Adam starts afresh from these weights
+        opt.load_state_dict(shard_from_torch_state(opt.state_dict(), opt.layout, rank, saved, step_count=3))
+    for t in range(3, 3 + steps):
+        for half in (0, 1):  # the step's two micro-batches, averaged: torch's batch(0, t) row by row, halved
+            mean_loss(model, {k: v[half : half + 1] for k, v in batch(0, t).items()})[0].backward()
+            opt.after_backward()
+        opt.step()
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    return out
+
+
+def test_the_engine_continues_torch_adamw_from_its_state() -> None:
+    """One rank, sync: the engine's AdamW from torch's state takes the same steps as torch's AdamW going on."""
+    model, saved = torch_run(3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    (ours,) = run_ranks(continue_run, world_size=1, saved=saved, weights=weights, steps=2)
+    (afresh,) = run_ranks(continue_run, world_size=1, saved=None, weights=weights, steps=2)
+    opt = torch.optim.AdamW(decay_groups(model, 0.1), **HP)
+    opt.load_state_dict(saved)
+    for t in range(3, 5):
+        for half in (0, 1):
+            (mean_loss(model, {k: v[half : half + 1] for k, v in batch(0, t).items()})[0] / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.detach(), rtol=1e-6, atol=1e-7)
+    # the state is what made them equal: Adam started afresh from the same weights takes other steps
+    assert max((afresh[n] - p.detach()).abs().max().item() for n, p in model.named_parameters()) > 1e-3
+
+
+def check_refused(rank: int, world_size: int, saved: dict) -> str:
+    model = tiny_llama(seed=0)
+    opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=2, **HP)
+    try:
+        shard_from_torch_state(opt.state_dict(), opt.layout, rank, saved, step_count=1)
+    except ValueError as e:
+        return str(e)
+    finally:
+        opt.close()
+    return ""
+
+
+def test_a_state_of_another_model_or_optimizer_is_refused_with_what_differs() -> None:
+    model, saved = torch_run(1)
+    one_group = {"state": saved["state"], "param_groups": [
+        {**saved["param_groups"][0], "params": saved["param_groups"][0]["params"] + saved["param_groups"][1]["params"]}
+    ]}  # fmt: skip
+    sgd_model = tiny_llama(seed=0)
+    sgd = torch.optim.SGD(decay_groups(sgd_model, 0.1), lr=0.1, momentum=0.9)
+    mean_loss(sgd_model, batch(0, 0))[0].backward()
+    sgd.step()
+    said = run_ranks(check_refused, world_size=1, saved=one_group)[0]
+    assert "parameter groups of" in said and "trainable parameters" in said
+    said = run_ranks(check_refused, world_size=1, saved=sgd.state_dict())[0]
+    assert "momentum_buffer" in said and "optim" in said
+    said = run_ranks(check_refused, world_size=1, saved={"weights": 1})[0]
+    assert "Not a torch optimizer state dict" in said
+
+
+def test_to_trainer_gives_back_the_empty_group_of_trainers_two() -> None:
+    """ACCOTrainer drops an empty group of Trainer's two (weight decay, no decay); torch's load needs it back."""
+    lora = {
+        "param_groups": [
+            {
+                "params": [0, 1],
+                "weight_decay": 0.1,
+                "param_names": ["m.q_proj.lora_A.default.weight", "m.q_proj.lora_B.default.weight"],
+            }
+        ]
+    }
+    bitfit = {
+        "param_groups": [
+            {"params": [0, 1], "weight_decay": 0.0, "param_names": ["m.layers.0.mlp.bias", "m.norm.weight"]}
+        ]
+    }
+    users = {"param_groups": [{"params": [0, 1, 2], "weight_decay": 0.05}]}  # the user's optimizer: no names
+    both = {"param_groups": [{"params": [0], "param_names": ["w"]}, {"params": [1], "param_names": ["b"]}]}
+    assert trainer_group_sizes(lora) == [2, 0]
+    assert trainer_group_sizes(bitfit) == [0, 2]
+    assert trainer_group_sizes(users) == [3]
+    assert trainer_group_sizes(both) == [1, 1]
+
+
+def test_a_schedulers_per_group_lists_follow_the_empty_group() -> None:
+    """Trainer's scheduler has an entry per group, the empty one included; the engine's has none for it."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    def scheduler(groups: list[dict]) -> torch.optim.lr_scheduler.LRScheduler:
+        opt = torch.optim.AdamW(groups, lr=1e-3)
+        sched = get_cosine_schedule_with_warmup(opt, 2, 10)
+        for _ in range(3):
+            opt.step()
+            sched.step()
+        return sched
+
+    w = torch.nn.Parameter(torch.ones(2))
+    trainers = scheduler([{"params": [], "weight_decay": 0.1}, {"params": [w], "weight_decay": 0.0}]).state_dict()
+    engines = scheduler([{"params": [w], "weight_decay": 0.0}]).state_dict()
+    sizes = [0, 1]
+    assert scheduler_without_empty_groups(trainers, sizes) == engines
+    assert scheduler_with_empty_groups(engines, sizes) == trainers
+    assert scheduler_with_empty_groups(trainers, sizes) == trainers  # already Trainer's: unchanged (twice is once)
+    one = scheduler([{"params": [w], "weight_decay": 0.0}])
+    one.load_state_dict(scheduler_without_empty_groups(trainers, sizes))
+    assert one.get_last_lr() == [trainers["_last_lr"][1]]
