@@ -38,9 +38,10 @@ def load_script(path: Path):  # noqa: ANN201 - the script's module
     """A script that is no package's module (benchmarks/*.py), imported from its path."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

@@ -106,6 +106,9 @@ def test_a_checkpoint_resumes_on_another_number_of_machines_not_another_fsdp_sha
     assert after[0] == pytest.approx(losses(two[0])[5], rel=0.03) and after[0] < losses(two[0])[0] - 0.05
     with pytest.raises(RuntimeError, match="written with FSDP over 2 ranks per machine; this run has no FSDP"):
         train(tmp_path / "plain", acco=True, world_size=4, max_steps=STEPS, resume=checkpoint)
+    train(tmp_path / "ddp", acco=False, world_size=2, max_steps=1, save_steps=1)  # plain Trainer's checkpoint
+    with pytest.raises(RuntimeError, match="is a plain Trainer checkpoint: ACCOTrainer resumes those without FSDP"):
+        hsdp(tmp_path / "from_ddp", acco=True, resume=tmp_path / "ddp" / "checkpoint-1")
 
 
 @pytest.mark.parametrize(

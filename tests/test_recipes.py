@@ -20,7 +20,7 @@ from hf_acco.tasks.alpaca import (
     tokenize_example,
 )
 
-from .helpers import accelerate_launch
+from .helpers import accelerate_launch, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -101,15 +101,22 @@ def test_every_recipe_has_a_working_help(recipe: Path) -> None:
 
 
 @pytest.mark.parametrize("recipe", ["alpaca_finetune.py", "pretrain_clm.py"])
-def test_the_training_recipes_show_their_defaults_and_refuse_a_schedule_method_would_override(recipe: str) -> None:
-    """Their own training defaults come before the command line: --help lists them; the schedule is --method's."""
-    path = str(ROOT / "recipes" / recipe)
-    shown = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, timeout=120)
-    assert "This recipe's defaults" in shown.stdout and "--max_steps 300" in " ".join(shown.stdout.split())
+def test_the_training_recipes_show_their_defaults_and_refuse_a_schedule_method_would_override(
+    recipe: str, capsys: pytest.CaptureFixture
+) -> None:
+    """Their own training defaults come before the command line: --help lists them; the schedule is --method's.
+    (In this process: test_every_recipe_has_a_working_help runs each recipe's --help as a command.)"""
+    main = load_script(ROOT / "recipes" / recipe).main
+    with pytest.raises(SystemExit) as shown:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert shown.value.code == 0 and "This recipe's defaults" in out and "--max_steps 300" in " ".join(out.split())
     spellings = [["--acco_schedule", "sync"], ["--acco_schedule=sync"], ["--acco-schedule", "dpu"], ["--acco_sch=dpu"]]
     for given in spellings:  # every spelling argparse takes: dashes, =, an abbreviation
-        done = subprocess.run([sys.executable, path, *given], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and "sets the schedule with --method" in done.stderr, done.stderr[-2000:]
+        with pytest.raises(SystemExit) as refused:
+            main(given)
+        said = capsys.readouterr().err
+        assert refused.value.code == 2 and "sets the schedule with --method" in said, said[-2000:]
 
 
 def launch(recipe: str, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:

@@ -8,12 +8,11 @@ import torch
 
 from hf_acco import ACCOOptimizer
 from hf_acco.engine.torch_format import (
+    element_keys,
     scheduler_with_empty_groups,
-    scheduler_without_empty_groups,
     shard_from_torch_state,
     torch_state_from_shards,
 )
-from hf_acco.tools.checkpoint_cli import trainer_group_sizes
 from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, decay_groups, mean_loss, tiny_llama
@@ -53,8 +52,9 @@ def test_a_torch_optimizer_state_goes_into_the_shards_and_back_unchanged(world_s
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     shards = run_ranks(import_and_save, world_size=world_size, saved=saved, weights=weights)
     assert all(s["step_count"] == 3 for s in shards)
-    back = torch_state_from_shards(shards, group_sizes=[len(g["params"]) for g in saved["param_groups"]])
-    assert back["state"].keys() == saved["state"].keys()  # the never-stepped parameter has no state on either side
+    back = torch_state_from_shards(shards)
+    (never,) = set(back["state"]) - set(saved["state"])  # never stepped: none in torch's, zeros and step 0 in ours
+    assert all(not v.any() for v in back["state"][never].values())  # (torch's first step from them: the same)
     for n, values in saved["state"].items():
         assert back["state"][n].keys() == values.keys()
         for key, value in values.items():
@@ -105,16 +105,28 @@ def test_the_engine_continues_torch_adamw_from_its_state() -> None:
     assert max((afresh[n] - p.detach()).abs().max().item() for n, p in model.named_parameters()) > 1e-3
 
 
-def check_refused(rank: int, world_size: int, saved: dict) -> str:
+def check_refused(rank: int, world_size: int, saved: dict, **settings) -> str:
     model = tiny_llama(seed=0)
-    opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=2, **HP)
+    opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=2, **(settings or HP))
     try:
-        shard_from_torch_state(opt.state_dict(), opt.layout, rank, saved, step_count=1)
+        keys = element_keys(opt.shard.inner)
+        shard_from_torch_state(opt.state_dict(), opt.layout, rank, saved, step_count=1, expected_keys=keys)
     except ValueError as e:
         return str(e)
     finally:
         opt.close()
     return ""
+
+
+def test_the_per_element_keys_of_an_optimizer_and_a_state_of_another_one_refused() -> None:
+    """An engine of another optimizer (SGD keeps no state before its first step) is told from Adam's state."""
+    w = torch.nn.Parameter(torch.ones(3))
+    assert element_keys(torch.optim.AdamW([w], lr=0.1)) == {"exp_avg", "exp_avg_sq"}
+    assert element_keys(torch.optim.AdamW([w], lr=0.1, amsgrad=True)) == {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    assert element_keys(torch.optim.SGD([w], lr=0.1, momentum=0.9)) == {"momentum_buffer"}
+    _, saved = torch_run(1)
+    said = run_ranks(check_refused, world_size=1, saved=saved, optimizer_cls=torch.optim.SGD, momentum=0.9)[0]
+    assert "keeps ['exp_avg', 'exp_avg_sq'] per element, this run's optimizer ['momentum_buffer']" in said
 
 
 def test_a_state_of_another_model_or_optimizer_is_refused_with_what_differs() -> None:
@@ -132,34 +144,16 @@ def test_a_state_of_another_model_or_optimizer_is_refused_with_what_differs() ->
     assert "momentum_buffer" in said and "optim" in said
     said = run_ranks(check_refused, world_size=1, saved={"weights": 1})[0]
     assert "Not a torch optimizer state dict" in said
+    square = next(n for n, v in saved["state"].items() if v["exp_avg"].dim() == 2 and v["exp_avg"].shape[0] > 1)
+    transposed = {**saved, "state": {**saved["state"], square: {
+        **saved["state"][square], "exp_avg": saved["state"][square]["exp_avg"].reshape(1, -1)}}}  # fmt: skip
+    said = run_ranks(check_refused, world_size=1, saved=transposed)[0]
+    assert "'exp_avg' of shape (1," in said and "another model" in said
 
 
-def test_to_trainer_gives_back_the_empty_group_of_trainers_two() -> None:
-    """ACCOTrainer drops an empty group of Trainer's two (weight decay, no decay); torch's load needs it back."""
-    lora = {
-        "param_groups": [
-            {
-                "params": [0, 1],
-                "weight_decay": 0.1,
-                "param_names": ["m.q_proj.lora_A.default.weight", "m.q_proj.lora_B.default.weight"],
-            }
-        ]
-    }
-    bitfit = {
-        "param_groups": [
-            {"params": [0, 1], "weight_decay": 0.0, "param_names": ["m.layers.0.mlp.bias", "m.norm.weight"]}
-        ]
-    }
-    users = {"param_groups": [{"params": [0, 1, 2], "weight_decay": 0.05}]}  # the user's optimizer: no names
-    both = {"param_groups": [{"params": [0], "param_names": ["w"]}, {"params": [1], "param_names": ["b"]}]}
-    assert trainer_group_sizes(lora) == [2, 0]
-    assert trainer_group_sizes(bitfit) == [0, 2]
-    assert trainer_group_sizes(users) == [3]
-    assert trainer_group_sizes(both) == [1, 1]
-
-
-def test_a_schedulers_per_group_lists_follow_the_empty_group() -> None:
-    """Trainer's scheduler has an entry per group, the empty one included; the engine's has none for it."""
+def test_a_scheduler_of_an_engine_without_its_empty_group_loads_into_one_with_it() -> None:
+    """hf_acco 0.1.0's ACCOTrainer kept no empty group (LoRA: no adapter weight without decay), nor its scheduler;
+    Trainer's optimizer has both groups, and now the engine too."""
     from transformers import get_cosine_schedule_with_warmup
 
     def scheduler(groups: list[dict]) -> torch.optim.lr_scheduler.LRScheduler:
@@ -171,12 +165,7 @@ def test_a_schedulers_per_group_lists_follow_the_empty_group() -> None:
         return sched
 
     w = torch.nn.Parameter(torch.ones(2))
-    trainers = scheduler([{"params": [], "weight_decay": 0.1}, {"params": [w], "weight_decay": 0.0}]).state_dict()
-    engines = scheduler([{"params": [w], "weight_decay": 0.0}]).state_dict()
-    sizes = [0, 1]
-    assert scheduler_without_empty_groups(trainers, sizes) == engines
-    assert scheduler_with_empty_groups(engines, sizes) == trainers
-    assert scheduler_with_empty_groups(trainers, sizes) == trainers  # already Trainer's: unchanged (twice is once)
-    one = scheduler([{"params": [w], "weight_decay": 0.0}])
-    one.load_state_dict(scheduler_without_empty_groups(trainers, sizes))
-    assert one.get_last_lr() == [trainers["_last_lr"][1]]
+    both = scheduler([{"params": [w], "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}]).state_dict()
+    old = scheduler([{"params": [w], "weight_decay": 0.1}]).state_dict()
+    assert scheduler_with_empty_groups(old, [1, 0]) == both
+    assert scheduler_with_empty_groups(both, [1, 0]) == both  # an entry per group already: unchanged

@@ -148,9 +148,9 @@ def test_a_plain_trainer_checkpoint_resumes_under_acco_trainer_with_its_optimize
 def test_to_trainer_lets_plain_trainer_resume_an_acco_checkpoint_with_its_optimizer_state(
     tmp_path: Path, lora: bool
 ) -> None:
-    """The other way: ``python -m hf_acco.checkpoint to-trainer`` writes optimizer.pt beside the shards (and gives
-    the scheduler back Trainer's empty group, with LoRA); plain Trainer (which resumes without optimizer state when
-    it finds none) goes on as ACCOTrainer's sync run does, and ACCOTrainer still resumes from its shards."""
+    """The other way: ``python -m hf_acco.checkpoint to-trainer`` writes optimizer.pt beside the shards; plain
+    Trainer (which resumes without optimizer state when it finds none) goes on as ACCOTrainer's sync run does, and
+    ACCOTrainer still resumes from its shards. With LoRA one of Trainer's groups is empty: the engine's too."""
     sync = train(tmp_path, acco=True, save_steps=6, lora=lora, extra={"acco_schedule": "sync"})
     checkpoint = tmp_path / "checkpoint-6"
     checkpoint_cli(["to-trainer", str(checkpoint)])
@@ -161,6 +161,19 @@ def test_to_trainer_lets_plain_trainer_resume_an_acco_checkpoint_with_its_optimi
     assert torch.equal(flat(again[0]["params"]), flat(sync[0]["params"]))  # the shards, exactly as before
     with pytest.raises(SystemExit):  # a directory without shards: a usage error that says so
         checkpoint_cli(["to-trainer", str(tmp_path / "plain")])
+
+
+def test_a_step_saved_by_both_trainers_into_one_directory_is_not_resumed_from_the_stale_state(tmp_path: Path) -> None:
+    """Two runs saved step 6 into one output_dir, one of each trainer: the later one's optimizer state must go with
+    the model files. ACCOTrainer removes an optimizer.pt where it saves; plain Trainer cannot remove ACCO's shards,
+    so a checkpoint with both (and no to-trainer mark) is refused with what to delete."""
+    train(tmp_path, acco=False, save_steps=6, max_steps=6)
+    assert (tmp_path / "checkpoint-6" / "optimizer.pt").is_file()
+    train(tmp_path, acco=True, save_steps=6, max_steps=6)  # the same step again, under ACCO
+    assert not (tmp_path / "checkpoint-6" / "optimizer.pt").exists()
+    train(tmp_path, acco=False, save_steps=6, max_steps=6)  # and again under plain Trainer: shards stay, stale
+    with pytest.raises(RuntimeError, match="not made from them"):
+        train(tmp_path / "resumed", acco=True, resume=tmp_path / "checkpoint-6")
 
 
 def test_lora_trains_and_checkpoints_only_the_adapters(tmp_path: Path) -> None:

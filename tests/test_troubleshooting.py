@@ -36,7 +36,6 @@ INTERNAL = {
     ("hf_acco/tools/plan/model.py", "spelling must be"): "the planner's own two spellings",
     ("hf_acco/tools/plan/model.py", "method must be"): "the planner's own three methods",
     ("hf_acco/tools/cli_types.py", "ArgumentTypeError"): "argparse prints it after the option's usage line",
-    ("hf_acco/engine/torch_format.py", "do not hold the engine's groups"): "to-trainer computes the group sizes",
 }
 
 # raises whose message is built elsewhere: (module, the raise's expression) -> (the module that holds the text, a

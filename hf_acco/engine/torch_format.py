@@ -8,7 +8,8 @@ so parameter ``k`` of the ``j``-th non-empty group is the same parameter on both
 * ``shard_from_torch_state``: this rank's shard state from such a state dict (a plain Trainer checkpoint resumed
   under ACCO). Each rank reads only its own ranges of the saved tensors (memory-mapped by ``torch.load``).
 * ``torch_state_from_shards``: torch's state dict from every rank's shard (an ACCO checkpoint resumed by plain
-  Trainer), built parameter by parameter from the (memory-mapped) shards.
+  Trainer), built parameter by parameter from the (memory-mapped) shards; the whole result is in memory at the end
+  (torch's format is one file): about two fp32 values per parameter for Adam.
 
 Per-element state (Adam's moments) moves exactly, in the master's dtype; each parameter's scalar state (``step``)
 with it; a parameter torch never stepped has no state on either side.
@@ -25,6 +26,7 @@ import torch
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.shard_state import merge_param_scalars
 
+FROM_SHARDS = "hf_acco_from_shards"  # in a state dict made from shards: their world size and step count
 # torch's own implementation switches, not hyper-parameters of the update: the running optimizer's are kept
 _IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "params", "param_names")
 
@@ -88,38 +90,60 @@ def _split_keys(layout: FlatLayout, state: dict[int, dict[str, Any]], numbering:
     return element, scalar - element
 
 
+def element_keys(inner: torch.optim.Optimizer, device: torch.device | str = "cpu") -> set[str]:
+    """The per-element state keys ``inner``'s optimizer keeps (Adam: ``exp_avg``, ``exp_avg_sq``): from one step of
+    its class, with its first group's settings, on a parameter of two elements (torch makes them at a first step)."""
+    settings = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", "param_names")}
+    p = torch.zeros(2, device=device, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    probe = type(inner)([{**settings, "params": [p]}])  # type: ignore[call-arg]  # (torch's optimizers: params alone)
+    probe.step()
+    return {k for k, v in probe.state[p].items() if torch.is_tensor(v) and v.shape == p.shape}
+
+
 def shard_from_torch_state(
-    template: dict[str, Any], layout: FlatLayout, rank: int, saved: dict[str, Any], step_count: int
+    template: dict[str, Any],
+    layout: FlatLayout,
+    rank: int,
+    saved: dict[str, Any],
+    step_count: int,
+    expected_keys: set[str] | None = None,
 ) -> dict[str, Any]:
     """This rank's shard state (loadable by ``ACCOOptimizer.load_state_dict``) with the optimizer state of a torch
     state dict ``saved`` over the same trainable parameters: its per-element state, each parameter's scalars, its
     groups' hyper-parameters (the running optimizer's implementation switches kept); the master and the model
     from the model as it is (``template``: this engine's ``state_dict()`` at a step boundary, whose ``model`` is
-    this rank's pieces of the model's parameters); ``step_count`` optimizer steps done."""
+    this rank's pieces of the model's parameters); ``step_count`` optimizer steps done. ``expected_keys``: the
+    per-element keys this run's optimizer keeps (``element_keys``); a state with others is refused."""
     numbering, groups = _numbering(layout, saved)
     state: dict[int, dict[str, Any]] = {int(n): v for n, v in saved["state"].items()}
     unknown = sorted(set(state) - set(numbering))
     if unknown:
         raise ValueError(f"The optimizer state has state for parameter numbers {unknown[:5]} that no group holds.")
     element, scalar = _split_keys(layout, state, numbering)
-    ours = set(template["optim_state"])
-    if ours and element and element != ours:
+    ours = expected_keys if expected_keys is not None else set(template["optim_state"])
+    if state and element != ours:
         raise ValueError(
             f"The optimizer state keeps {sorted(element)} per element, this run's optimizer {sorted(ours)}: resume "
             "it with the optimizer (optim) of the run that wrote it."
         )
     master = template["master"]
     by_index = {numbering[n]: values for n, values in state.items()}
-    vectors = {key: torch.zeros_like(master) for key in (element or ours)}
+    for i, values in by_index.items():
+        for key in element:
+            value = values.get(key)
+            if value is None or tuple(value.shape) != tuple(layout.shapes[i]):
+                got = "none" if value is None else f"shape {tuple(value.shape)}"
+                raise ValueError(
+                    f"The optimizer state of {layout.names[i]} has {key!r} of {got}, the parameter is "
+                    f"{tuple(layout.shapes[i])}: it was written for another model (or another order of parameters)."
+                )
+    vectors = {key: torch.zeros_like(master) for key in element}
     for i, start, first, length in shard_runs(layout, rank):
-        values = by_index.get(i)
-        if values is None:
+        if i not in by_index:
             continue  # never stepped: zeros, and no scalars (below)
         for key, vector in vectors.items():
-            value = values.get(key)
-            if value is None:
-                raise ValueError(f"The optimizer state of {layout.names[i]} has no {key!r}.")
-            vector[start : start + length].copy_(value.reshape(-1)[first : first + length])
+            vector[start : start + length].copy_(by_index[i][key].reshape(-1)[first : first + length])
     param_scalars = {key: torch.full((len(layout.names),), math.nan, dtype=torch.float64) for key in scalar}
     scalars: dict[str, torch.Tensor] = {}
     for i, values in by_index.items():
@@ -136,7 +160,7 @@ def shard_from_torch_state(
         pending_commit=False,
         hparams=hparams,
         master=template["model"].to(master.dtype),  # the model's parameters as loaded: the committed ones
-        optim_state=vectors,
+        optim_state=vectors or template["optim_state"],
         optim_scalars=scalars or template["optim_scalars"],
         optim_param_scalars=param_scalars,
     )
@@ -144,11 +168,10 @@ def shard_from_torch_state(
     return out
 
 
-def torch_state_from_shards(shards: Sequence[dict[str, Any]], group_sizes: Sequence[int] | None = None) -> dict:
+def torch_state_from_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """torch's ``Optimizer.state_dict()`` of the optimizer over the whole model, from every rank's shard (one run,
-    any order): each parameter's per-element state and scalars, the groups' hyper-parameters. ``group_sizes``: the
-    number of parameters in each of the groups of the optimizer that will load it, empty ones included (plain
-    Trainer always has two: weight decay, no decay); by default the engine's (non-empty) groups."""
+    any order): each parameter's per-element state and scalars (a parameter never stepped has none), the groups'
+    hyper-parameters, the groups as the engine was given them (ACCOTrainer: Trainer's two, an empty one included)."""
     shards = sorted(shards, key=lambda s: s["rank"])
     meta = shards[0]["layout"]
     if [s["rank"] for s in shards] != list(range(meta["world_size"])):
@@ -159,61 +182,37 @@ def torch_state_from_shards(shards: Sequence[dict[str, Any]], group_sizes: Seque
         for i, start, first, length in shard_runs(layout, rank):
             pieces.setdefault(i, []).append((rank, start, first, length))
     scalars = merge_param_scalars(list(shards))
+    templates = shards[0]["optim_scalars"]
+    for key, value in templates.items():  # a shard written before each parameter had its own: the shared one
+        scalars.setdefault(key, torch.full((len(layout.names),), float(value), dtype=torch.float64))
     state: dict[int, dict[str, Any]] = {}
     for i, shape in enumerate(layout.shapes):
-        if "step" in scalars and not float(scalars["step"][i]) > 0:
-            continue  # never stepped (NaN, or the engine's zeros made ahead of a first step): torch keeps no state
+        if any(math.isnan(float(v[i])) for v in scalars.values()):
+            continue  # never stepped: torch keeps no state for it
         values: dict[str, Any] = {}
-        for key in shards[0]["optim_state"]:
-            flat = torch.empty(math.prod(shape), dtype=shards[0]["optim_state"][key].dtype)
+        for key, vector in shards[0]["optim_state"].items():
+            flat = torch.empty(math.prod(shape), dtype=vector.dtype)
             for rank, start, first, length in pieces.get(i, []):
                 flat[first : first + length].copy_(shards[rank]["optim_state"][key][start : start + length])
             values[key] = flat.reshape(shape)
         for key, vector in scalars.items():
-            template = shards[0]["optim_scalars"].get(key)
-            dtype = template.dtype if template is not None else torch.float32
-            values[key] = torch.tensor(float(vector[i]), dtype=dtype)
+            template = templates.get(key)
+            values[key] = torch.tensor(float(vector[i]), dtype=template.dtype if template is not None else None)
         state[i] = values
-    members = _group_members(layout.groups)
-    hparams = shards[0]["hparams"]
-    sizes = list(group_sizes) if group_sizes is not None else [len(m) for _, m in members]
-    if [s for s in sizes if s] != [len(m) for _, m in members]:
-        raise ValueError(
-            f"group_sizes {sizes} do not hold the engine's groups of {[len(m) for _, m in members]} parameters in "
-            "order"
-        )
-    param_groups, filled = [], iter(members)
-    for size in sizes:
-        if size:
-            g, indices = next(filled)
-            hp = hparams[g]
-        else:  # an empty group: its neighbour's settings (plain Trainer's other group, no weight decay)
-            indices, hp = [], {**hparams[members[0][0]], "weight_decay": 0.0}
-        param_groups.append({**hp, "params": list(indices)})
-    return {"state": state, "param_groups": param_groups}
+    members = dict(_group_members(layout.groups))
+    param_groups = [{**hp, "params": members.get(g, [])} for g, hp in enumerate(shards[0]["hparams"])]
+    made_from = {"world_size": layout.world_size, "step_count": shards[0]["step_count"]}  # torch's load ignores it
+    return {"state": state, "param_groups": param_groups, FROM_SHARDS: made_from}
 
 
 # A learning-rate scheduler's lists with one entry per parameter group (torch's LambdaLR, ReduceLROnPlateau)
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs")
 
 
-def scheduler_without_empty_groups(state: dict[str, Any], sizes: Sequence[int]) -> dict[str, Any]:
-    """A scheduler's state dict over groups of ``sizes`` parameters (plain Trainer's two, one maybe empty) for an
-    optimizer without the empty ones (the engine's): their entries dropped from each per-group list."""
-    if all(sizes):
-        return state
-    keep = [i for i, n in enumerate(sizes) if n]
-    out = dict(state)
-    for key in _PER_GROUP:
-        value = state.get(key)
-        if isinstance(value, list) and len(value) == len(sizes):
-            out[key] = [value[i] for i in keep]
-    return out
-
-
 def scheduler_with_empty_groups(state: dict[str, Any], sizes: Sequence[int]) -> dict[str, Any]:
-    """The other way: a scheduler's state over the engine's (non-empty) groups for an optimizer with groups of
-    ``sizes`` parameters, an empty group given its neighbour's entry (plain Trainer sets both alike)."""
+    """A scheduler's state over only the non-empty groups of an optimizer whose groups have ``sizes`` parameters
+    (ACCOTrainer checkpoints of hf_acco 0.1.0 kept no empty group) for that optimizer: an empty group gets its
+    neighbour's entry (Trainer sets both alike). A state with an entry per group is returned as it is."""
     kept = [n for n in sizes if n]
     if len(kept) == len(sizes):
         return state

@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from hf_acco.engine.checkpoint import _part_folders, _read, atomic_save, gather_shards, shard_files
 from hf_acco.engine.rebuild import rebuild_shards
-from hf_acco.engine.torch_format import scheduler_with_empty_groups, torch_state_from_shards
+from hf_acco.engine.torch_format import torch_state_from_shards
 
 TRAINER_OPTIMIZER = "optimizer.pt"
-SCHEDULER = "scheduler.pt"
-# names transformers' get_decay_parameter_names leaves out of weight decay (with LayerNorm modules' weights)
-NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
 
 
@@ -64,21 +59,6 @@ def trainer_checkpoint_weights(directory: str | Path) -> dict[str, torch.Tensor]
     return weights
 
 
-def trainer_group_sizes(shard: dict[str, Any]) -> list[int]:
-    """The sizes of the parameter groups of the optimizer plain Trainer builds for this run: ACCOTrainer drops an
-    empty one of Trainer's two (weight decay, no decay; a LoRA adapter has no parameter without decay), which
-    torch's ``load_state_dict`` needs back. Groups without parameter names are an optimizer the user passed: kept
-    as they are."""
-    groups = shard["param_groups"]
-    sizes = [len(g["params"]) for g in groups]
-    if len(groups) != 1 or not groups[0].get("param_names"):
-        return sizes
-    names, decay = groups[0]["param_names"], groups[0].get("weight_decay", 0.0)
-    if not decay and all(NO_DECAY.search(n.lower()) for n in names):
-        return [0, sizes[0]]  # only parameters without decay (biases, norms) are trained
-    return [sizes[0], 0]
-
-
 def export_for_trainer(directory: str | Path) -> Path:
     """Write ``optimizer.pt`` into the ACCO checkpoint ``directory``: torch's state dict of plain Trainer's optimizer,
     from every rank's shard, parameter by parameter (the shards memory-mapped). Returns the file."""
@@ -102,14 +82,8 @@ def export_for_trainer(directory: str | Path) -> Path:
             "first (python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...)."
         )
     shards = [_read(files[r]) for r in range(world)]
-    sizes = trainer_group_sizes(shards[0])
     target = directory / TRAINER_OPTIMIZER
-    atomic_save(torch_state_from_shards(shards, sizes), target)
-    scheduler = directory / SCHEDULER
-    if scheduler.is_file():  # Trainer's scheduler has an entry for each of its groups: the empty one's put back
-        # (ACCOTrainer drops it again where it finds optimizer.pt beside: checkpoints.load_engine_state)
-        state = torch.load(scheduler, map_location="cpu", weights_only=True)
-        atomic_save(scheduler_with_empty_groups(state, sizes), scheduler)
+    atomic_save(torch_state_from_shards(shards), target)
     return target
 
 

@@ -27,7 +27,12 @@ from hf_acco.engine.checkpoint import (
     save_optimizer_state,
     shard_files,
 )
-from hf_acco.engine.torch_format import scheduler_without_empty_groups, shard_from_torch_state
+from hf_acco.engine.torch_format import (
+    FROM_SHARDS,
+    element_keys,
+    scheduler_with_empty_groups,
+    shard_from_torch_state,
+)
 from hf_acco.integrations.trainer.engine import engine_of
 
 if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
@@ -47,6 +52,27 @@ def is_trainer_checkpoint(path: str) -> bool:
     no ACCO shards are there. ACCOTrainer resumes it too (``import_trainer_optimizer``)."""
     has_optimizer = os.path.isfile(os.path.join(path, OPTIMIZER_NAME))
     return has_optimizer and not shard_files(path) and not _part_folders(Path(path))
+
+
+def stale_files(path: str) -> str | None:
+    """Why ``path`` holds two optimizer states that disagree, or None: ACCO shards beside an ``optimizer.pt`` that
+    was not made from them (``to-trainer`` marks the one it makes). Two runs saved the same step there (a plain
+    Trainer run rewrote an ACCO checkpoint): which state goes with the model files cannot be told."""
+    optimizer_file = os.path.join(path, OPTIMIZER_NAME)
+    found = shard_files(path)
+    if not (found and os.path.isfile(optimizer_file)):
+        return None
+    made_from = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True).get(FROM_SHARDS)
+    if made_from is not None and made_from.get("world_size") in found:
+        files = found[made_from["world_size"]]
+        shard = torch.load(next(iter(files.values())), map_location="cpu", weights_only=True, mmap=True)
+        if made_from.get("step_count") == shard.get("step_count"):
+            return None  # to-trainer's, from these shards
+    return (
+        f"it holds ACCO optimizer shards and a plain Trainer {OPTIMIZER_NAME} not made from them (a plain Trainer run "
+        f"and an ACCO run saved this step into one directory): delete the stale one ({OPTIMIZER_NAME}, or the "
+        "acco_optimizer_rank*_of_*.pt files) and resume"
+    )
 
 
 def checkpoint_incomplete(path: str, world_size: int | None = None, ranks: list[int] | None = None) -> str | None:
@@ -70,6 +96,9 @@ def checkpoint_incomplete(path: str, world_size: int | None = None, ranks: list[
         return "its pre-emption (JIT) checkpoint did not finish"
     if is_trainer_checkpoint(path):  # plain Trainer's, complete once its trainer state is written
         return None
+    stale = stale_files(path)
+    if stale:
+        return stale
     missing = missing_shards(path, world_size, ranks)
     return f"it lacks {missing}" if missing else None
 
@@ -155,7 +184,10 @@ def peer_failure(args: TrainingArguments, error: BaseException) -> PeerFailure:
 
 def save_engine_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
     """Every rank's optimizer shard; on the writing process the scheduler and, with paced accumulation, the position
-    in the epoch (the same on every rank at a step boundary)."""
+    in the epoch (the same on every rank at a step boundary). A plain Trainer ``optimizer.pt`` found there is an
+    earlier run's (or made by to-trainer from earlier shards): removed, so that it cannot be resumed from."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(output_dir, OPTIMIZER_NAME))
     save_optimizer_state(engine_of(trainer), output_dir)  # every rank writes its own shard
     data = trainer._pacer.state_dict() if trainer._pacer is not None else None  # collective with streams
     if trainer.args.should_save:
@@ -176,18 +208,22 @@ def save_fsdp_model_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
 
 
 def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
-    if is_trainer_checkpoint(checkpoint):
+    acco = engine_of(trainer)
+    plain = every_rank(is_trainer_checkpoint(checkpoint))  # the same path on every rank (collectives follow)
+    if len(set(plain)) > 1:
+        raise ValueError(
+            f"The ranks see different files in {checkpoint}: a plain Trainer optimizer.pt without ACCO shards on "
+            f"ranks {[r for r, p in enumerate(plain) if p]}, ACCO shards on the others. Resume from a checkpoint "
+            "every node holds alike."
+        )
+    if plain[0]:
         import_trainer_optimizer(trainer, checkpoint)
     else:
-        load_optimizer_state(engine_of(trainer), checkpoint)  # collective; re-shards if the world size changed
+        load_optimizer_state(acco, checkpoint)  # collective; re-shards if the world size changed
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
     if os.path.isfile(scheduler_file):
         state = torch.load(scheduler_file, map_location="cpu", weights_only=True)
-        optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
-        if os.path.isfile(optimizer_file):  # plain Trainer's (or to-trainer's) scheduler: a list entry for each of
-            # Trainer's two groups, where the engine has only the non-empty ones
-            groups = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)["param_groups"]
-            state = scheduler_without_empty_groups(state, [len(g["params"]) for g in groups])
+        state = scheduler_with_empty_groups(state, [len(g["params"]) for g in acco.param_groups])  # 0.1.0's
         trainer.lr_scheduler.load_state_dict(state)  # type: ignore[union-attr]  # (Trainer's, built by then)
 
 
@@ -201,8 +237,9 @@ def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None
         saved = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True, mmap=True)
         with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
             step = int(json.load(f)["global_step"])
-        state = shard_from_torch_state(acco.state_dict(), acco.layout, acco.comm.rank, saved, step)
-    except (ValueError, KeyError, RuntimeError, OSError) as e:
+        keys = element_keys(acco.shard.inner, acco.device)
+        state = shard_from_torch_state(acco.state_dict(), acco.layout, acco.comm.rank, saved, step, keys)
+    except Exception as e:  # noqa: BLE001 - any failure (a damaged file too) on every rank, with what to do
         error = ValueError(
             f"Could not resume the plain Trainer checkpoint {checkpoint} under ACCOTrainer: {e} Resume it with "
             "plain Trainer, or start from its model files without the optimizer state."

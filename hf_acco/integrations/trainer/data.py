@@ -136,8 +136,8 @@ def restore_position(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
     path = os.path.join(checkpoint, DATA_STATE_NAME)
     if not os.path.isfile(path):
         raise ValueError(
-            f"{checkpoint} has no {DATA_STATE_NAME}: it was written with acco_accumulation='fixed'. Resume it "
-            "with acco_accumulation='fixed'."
+            f"{checkpoint} has no {DATA_STATE_NAME}: it was written with acco_accumulation='fixed' (or by plain "
+            "Trainer). Resume it with acco_accumulation='fixed'."
         )
     with open(path, encoding="utf-8") as f:
         pacer.load_state_dict(json.load(f))

@@ -214,7 +214,7 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
     ensure_process_group(trainer.accelerator.device)
     trainer._logged_totals = {}  # a new engine's figures start from zero
     trainer.acco = ACCOOptimizer(
-        [g for g in groups if g["params"]],
+        groups,  # empty ones too: the groups of Trainer's optimizer, so that its checkpoints and ours match
         optimizer_cls=optimizer_cls,
         schedule=acco_setting(args, "acco_schedule"),
         accumulation=engine_accumulation(args),

@@ -108,6 +108,11 @@ class ACCOTrainerMixin(_TrainerBase):
         if isinstance(resume_from_checkpoint, str):  # before Trainer reads its model files (FSDP's or not)
             layout = fsdp.hsdp_layout(self.accelerator)
             mismatch = fsdp_sharding_mismatch(resume_from_checkpoint, layout[1] if layout else None)
+            if mismatch and checkpoints.is_trainer_checkpoint(resume_from_checkpoint):
+                mismatch = (
+                    f"{resume_from_checkpoint} is a plain Trainer checkpoint: ACCOTrainer resumes those without FSDP "
+                    "inside machines only. Start from its model files (from_pretrained) without the optimizer state."
+                )
             if mismatch:
                 raise ValueError(mismatch)
         try:
