@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer
+from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
 from hf_acco.engine.torch_format import (
-    element_keys,
+    optimizer_keys,
     scheduler_with_empty_groups,
     shard_from_torch_state,
     torch_state_from_shards,
 )
+from hf_acco.tools.checkpoint_cli import main as checkpoint_cli
 from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, decay_groups, mean_loss, tiny_llama
@@ -109,7 +111,7 @@ def check_refused(rank: int, world_size: int, saved: dict, **settings) -> str:
     model = tiny_llama(seed=0)
     opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=2, **(settings or HP))
     try:
-        keys = element_keys(opt.shard.inner)
+        keys = optimizer_keys(opt.shard.inner, opt.shard.defaults)
         shard_from_torch_state(opt.state_dict(), opt.layout, rank, saved, step_count=1, expected_keys=keys)
     except ValueError as e:
         return str(e)
@@ -121,12 +123,21 @@ def check_refused(rank: int, world_size: int, saved: dict, **settings) -> str:
 def test_the_per_element_keys_of_an_optimizer_and_a_state_of_another_one_refused() -> None:
     """An engine of another optimizer (SGD keeps no state before its first step) is told from Adam's state."""
     w = torch.nn.Parameter(torch.ones(3))
-    assert element_keys(torch.optim.AdamW([w], lr=0.1)) == {"exp_avg", "exp_avg_sq"}
-    assert element_keys(torch.optim.AdamW([w], lr=0.1, amsgrad=True)) == {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
-    assert element_keys(torch.optim.SGD([w], lr=0.1, momentum=0.9)) == {"momentum_buffer"}
+    adam = ({"exp_avg", "exp_avg_sq"}, {"step"})
+    assert optimizer_keys(torch.optim.AdamW([w], lr=0.1), {}) == adam
+    amsgrad = optimizer_keys(torch.optim.AdamW([{"params": [w], "amsgrad": True}], lr=0.1), {})
+    assert amsgrad == ({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, {"step"})
+    assert optimizer_keys(torch.optim.SGD([w], lr=0.1, momentum=0.9), {}) == ({"momentum_buffer"}, set())
+    nadam = optimizer_keys(torch.optim.NAdam([w], lr=0.1), {})
+    assert nadam[0] == adam[0] and nadam[1] == {"step", "mu_product"}  # Adam's moments, one more scalar
+    before = torch.random.get_rng_state()
+    optimizer_keys(torch.optim.AdamW([w], lr=0.1), {})
+    assert torch.equal(torch.random.get_rng_state(), before)
     _, saved = torch_run(1)
     said = run_ranks(check_refused, world_size=1, saved=saved, optimizer_cls=torch.optim.SGD, momentum=0.9)[0]
-    assert "keeps ['exp_avg', 'exp_avg_sq'] per element, this run's optimizer ['momentum_buffer']" in said
+    assert "keeps ['exp_avg', 'exp_avg_sq'] per element and ['step'] per parameter, this run's optimizer" in said
+    said = run_ranks(check_refused, world_size=1, saved=saved, optimizer_cls=torch.optim.NAdam, lr=0.1)[0]
+    assert "this run's optimizer ['exp_avg', 'exp_avg_sq'] and ['mu_product', 'step']" in said
 
 
 def test_a_state_of_another_model_or_optimizer_is_refused_with_what_differs() -> None:
@@ -169,3 +180,51 @@ def test_a_scheduler_of_an_engine_without_its_empty_group_loads_into_one_with_it
     old = scheduler([{"params": [w], "weight_decay": 0.1}]).state_dict()
     assert scheduler_with_empty_groups(old, [1, 0]) == both
     assert scheduler_with_empty_groups(both, [1, 0]) == both  # an entry per group already: unchanged
+
+
+def old_and_new(rank: int, world_size: int, directory: str) -> dict:
+    """A run of hf_acco 0.1.0's ACCOTrainer where only norm weights train (Trainer's decay group empty, left out of
+    the engine), saved; then an engine given both of Trainer's groups, as ACCOTrainer now does, loads it."""
+
+    def model_and_groups() -> tuple[torch.nn.Module, list[dict]]:
+        model = tiny_llama(seed=0)
+        for p in model.parameters():
+            p.requires_grad_(p.ndim < 2)  # norms only: nothing in the decay group
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return model, [  # Trainer's two groups, with their names, as ACCOTrainer gives them
+            {"params": [], "param_names": [], "weight_decay": 0.1},
+            {"params": [p for _, p in named], "param_names": [n for n, _ in named], "weight_decay": 0.0},
+        ]
+
+    model, groups = model_and_groups()
+    old = ACCOOptimizer([g for g in groups if g["params"]], micro_batches=2, lr=3e-3)  # as 0.1.0 built it
+    for t in range(2):
+        for half in (0, 1):
+            mean_loss(model, batch(rank, 2 * t + half))[0].backward()
+            old.after_backward()
+        old.step()
+    path = save_optimizer_state(old, directory)
+    state = torch.load(path, weights_only=True)
+    state.pop("empty_groups_kept")  # 0.1.0 wrote no such key
+    torch.save(state, path)
+    saved = old.state_dict()
+    old.close()
+    model, groups = model_and_groups()
+    new = ACCOOptimizer(groups, micro_batches=2, lr=1e-1)  # Trainer's two groups, the first one empty
+    load_optimizer_state(new, directory)
+    loaded = new.state_dict()
+    new.close()
+    return {"saved": saved, "loaded": loaded}
+
+
+def test_a_shard_of_hf_acco_0_1_0_without_trainers_empty_group_loads_into_an_engine_with_it(tmp_path) -> None:
+    for result in run_ranks(old_and_new, world_size=2, directory=str(tmp_path)):
+        saved, loaded = result["saved"], result["loaded"]
+        assert len(saved["hparams"]) == 1 and len(loaded["hparams"]) == 2
+        assert loaded["hparams"][1]["lr"] == saved["hparams"][0]["lr"]  # the saved group's settings, renumbered
+        assert set(loaded["layout"]["groups"]) == {1}
+        assert torch.equal(loaded["master"], saved["master"])
+        for key, value in saved["optim_state"].items():
+            assert torch.equal(loaded["optim_state"][key], value)
+    with pytest.raises(SystemExit):  # to-trainer cannot tell where the empty group was: it says what to do
+        checkpoint_cli(["to-trainer", str(tmp_path)])

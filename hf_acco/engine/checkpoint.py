@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hf_acco.engine.core import ACCOOptimizer
-from hf_acco.engine.shard_state import reshard
+from hf_acco.engine.shard_state import reshard, with_empty_groups
 
 _PART_RE = re.compile(r"fsdp_shard(\d+)_of_(\d+)$")
 _SHARD_RE = re.compile(r"^acco_optimizer_rank(\d+)_of_(\d+)\.pt$")
@@ -85,6 +85,8 @@ def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike)
         if mismatch:
             raise ValueError(mismatch)
         states = _read_shards(shards_directory(optimizer, directory), rank, layout.world_size, layout.chunk)
+        settings = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
+        states = [with_empty_groups(s, layout, settings) for s in states]  # hf_acco 0.1.0's ACCOTrainer shards
         meta = states[0]["layout"]
         same = meta["world_size"] == layout.world_size and meta["chunk"] == layout.chunk
         state = states[0] if same else reshard(states, layout, rank)

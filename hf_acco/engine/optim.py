@@ -112,7 +112,7 @@ class ShardOptimizer:
             p = torch.nn.Parameter(master[seg.start : seg.end], requires_grad=True)  # aliases master
             self._seg_params.append(p)
             groups[seg.group]["params"].append(p)
-        self.inner = optimizer_cls(groups, **defaults)
+        self.inner, self.defaults = optimizer_cls(groups, **defaults), dict(defaults)
         self._flat_state: dict[str, torch.Tensor] = {}  # per-element state keys, as shard-sized vectors
         self._adam_state_in_place()
         self._grad_views: dict[tuple[int, tuple[int, ...]], list[torch.Tensor]] = {}

@@ -139,6 +139,7 @@ class BoundaryState:
             # each parameter's own (a parameter left out of steps for want of a gradient counts fewer), NaN where
             # this rank holds none of it: a re-sharding load takes each parameter's from a rank that holds it
             "optim_param_scalars": self.shard.param_scalars(),
+            "empty_groups_kept": True,  # (hf_acco 0.1.0's ACCOTrainer gave the engine no empty group)
         }
         if self.feedback is not None:  # updated by commit rounds only: the boundary's, also in the middle of a step
             state["int8_residual"] = host(self.feedback.residual)
@@ -192,6 +193,20 @@ class BoundaryState:
         if self.pending:  # a commit round that was pending at save time: its output is the master shards gathered
             committed_output(buffers.params_of(buffers.wire))
         return self.pending
+
+
+def with_empty_groups(state: dict[str, Any], layout: FlatLayout, hparams: list[dict[str, Any]]) -> dict[str, Any]:
+    """A shard of hf_acco 0.1.0's ACCOTrainer, which gave the engine only Trainer's non-empty groups, for an engine
+    given all of them (``hparams``: its groups' settings): the saved groups renumbered as ``layout`` numbers them,
+    an empty group keeping this engine's settings. Any other state is returned as it is."""
+    used = sorted(set(layout.groups))  # this engine's non-empty groups, in order
+    if state.get("empty_groups_kept") or len(state["hparams"]) != len(used) or len(used) == len(hparams):
+        return state
+    meta = {**state["layout"], "groups": [used[g] for g in state["layout"]["groups"]]}
+    renumbered = [dict(hp) for hp in hparams]
+    for old, new in enumerate(used):
+        renumbered[new] = state["hparams"][old]
+    return {**state, "layout": meta, "hparams": renumbered}
 
 
 def torch_keys(param_groups: list[dict[str, Any]]) -> dict[str, Any]:

@@ -50,29 +50,31 @@ def _group_members(groups: Sequence[int]) -> list[tuple[int, list[int]]]:
     return sorted(members.items())
 
 
-def _numbering(layout: FlatLayout, saved: dict[str, Any]) -> tuple[dict[int, int], dict[int, dict[str, Any]]]:
-    """{torch's parameter number: the layout's index}, and {the engine's group index: the saved group}, non-empty
-    ones; a ValueError that says what differs when the saved groups are not this layout's."""
+def _numbering(
+    layout: FlatLayout, saved: dict[str, Any], num_groups: int
+) -> tuple[dict[int, int], dict[int, dict[str, Any]]]:
+    """{torch's parameter number: the layout's index}, and {group index: the saved group}; a ValueError that says
+    what differs when the saved groups (``num_groups`` here, empty ones included) are not this layout's."""
     if not isinstance(saved, dict) or not {"state", "param_groups"} <= set(saved):
         raise ValueError("Not a torch optimizer state dict (it has no 'state' and 'param_groups').")
-    groups = [g for g in saved["param_groups"] if g["params"]]
-    members = [indices for _, indices in _group_members(layout.groups)]
-    sizes, ours = [len(g["params"]) for g in groups], [len(m) for m in members]
+    groups = list(saved["param_groups"])
+    members = dict(_group_members(layout.groups))
+    sizes, ours = [len(g["params"]) for g in groups], [len(members.get(g, [])) for g in range(num_groups)]
     if sizes != ours:
         raise ValueError(
             f"The optimizer state has parameter groups of {sizes} parameters, this run's optimizer {ours} (weight "
             "decay / no decay, trainable parameters only). Resume it with the model, trainable parameters (LoRA "
             "config, frozen layers) and optimizer grouping of the run that wrote it."
         )
-    for group, indices in zip(groups, members):
-        names = group.get("param_names")
+    for g, group in enumerate(groups):
+        names, indices = group.get("param_names"), members.get(g, [])
         if names is not None and list(names) != [layout.names[i] for i in indices]:
             raise ValueError(
                 f"The optimizer state's parameter names ({names[:3]}...) are not this run's "
                 f"({[layout.names[i] for i in indices[:3]]}...): it was written for another model."
             )
-    numbering = {int(n): i for group, indices in zip(groups, members) for n, i in zip(group["params"], indices)}
-    return numbering, {g: group for (g, _), group in zip(_group_members(layout.groups), groups)}
+    numbering = {int(n): i for g, group in enumerate(groups) for n, i in zip(group["params"], members.get(g, []))}
+    return numbering, dict(enumerate(groups))
 
 
 def _split_keys(layout: FlatLayout, state: dict[int, dict[str, Any]], numbering: dict[int, int]) -> tuple[set, set]:
@@ -90,15 +92,27 @@ def _split_keys(layout: FlatLayout, state: dict[int, dict[str, Any]], numbering:
     return element, scalar - element
 
 
-def element_keys(inner: torch.optim.Optimizer, device: torch.device | str = "cpu") -> set[str]:
-    """The per-element state keys ``inner``'s optimizer keeps (Adam: ``exp_avg``, ``exp_avg_sq``): from one step of
-    its class, with its first group's settings, on a parameter of two elements (torch makes them at a first step)."""
-    settings = {k: v for k, v in inner.param_groups[0].items() if k not in ("params", "param_names")}
-    p = torch.zeros(2, device=device, requires_grad=True)
-    p.grad = torch.ones_like(p)
-    probe = type(inner)([{**settings, "params": [p]}])  # type: ignore[call-arg]  # (torch's optimizers: params alone)
-    probe.step()
-    return {k for k, v in probe.state[p].items() if torch.is_tensor(v) and v.shape == p.shape}
+def optimizer_keys(
+    inner: torch.optim.Optimizer, defaults: dict[str, Any], device: torch.device | str = "cpu"
+) -> tuple[set[str], set[str]]:
+    """(per-element, scalar) state keys ``inner``'s optimizer keeps (Adam: ``exp_avg``, ``exp_avg_sq``; ``step``):
+    from one step of its class (built as ``inner`` was, with ``defaults``), each group's settings, on parameters of
+    two elements (torch makes its state at a first step). The random generators are left as they were."""
+    groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in inner.param_groups]
+    probes = [torch.zeros(2, device=device, requires_grad=True) for _ in groups]
+    for p in probes:
+        p.grad = torch.ones_like(p)
+    cuda = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        probe = type(inner)([{**g, "params": [p]} for g, p in zip(groups, probes)], **defaults)
+        probe.step()
+    element: set[str] = set()
+    scalar: set[str] = set()
+    for p in probes:
+        for key, value in probe.state[p].items():
+            if torch.is_tensor(value):
+                (element if value.shape == p.shape else scalar).add(key)
+    return element, scalar
 
 
 def shard_from_torch_state(
@@ -107,25 +121,26 @@ def shard_from_torch_state(
     rank: int,
     saved: dict[str, Any],
     step_count: int,
-    expected_keys: set[str] | None = None,
+    expected_keys: tuple[set[str], set[str]] | None = None,
 ) -> dict[str, Any]:
     """This rank's shard state (loadable by ``ACCOOptimizer.load_state_dict``) with the optimizer state of a torch
     state dict ``saved`` over the same trainable parameters: its per-element state, each parameter's scalars, its
     groups' hyper-parameters (the running optimizer's implementation switches kept); the master and the model
     from the model as it is (``template``: this engine's ``state_dict()`` at a step boundary, whose ``model`` is
     this rank's pieces of the model's parameters); ``step_count`` optimizer steps done. ``expected_keys``: the
-    per-element keys this run's optimizer keeps (``element_keys``); a state with others is refused."""
-    numbering, groups = _numbering(layout, saved)
+    (per-element, scalar) keys this run's optimizer keeps (``optimizer_keys``); a state with others is refused."""
+    numbering, groups = _numbering(layout, saved, len(template["hparams"]))
     state: dict[int, dict[str, Any]] = {int(n): v for n, v in saved["state"].items()}
     unknown = sorted(set(state) - set(numbering))
     if unknown:
         raise ValueError(f"The optimizer state has state for parameter numbers {unknown[:5]} that no group holds.")
     element, scalar = _split_keys(layout, state, numbering)
-    ours = expected_keys if expected_keys is not None else set(template["optim_state"])
-    if state and element != ours:
+    ours = expected_keys if expected_keys is not None else (set(template["optim_state"]), scalar)
+    if state and (element, scalar) != ours:
         raise ValueError(
-            f"The optimizer state keeps {sorted(element)} per element, this run's optimizer {sorted(ours)}: resume "
-            "it with the optimizer (optim) of the run that wrote it."
+            f"The optimizer state keeps {sorted(element)} per element and {sorted(scalar)} per parameter, this run's "
+            f"optimizer {sorted(ours[0])} and {sorted(ours[1])}: resume it with the optimizer (optim) of the run that "
+            "wrote it."
         )
     master = template["master"]
     by_index = {numbering[n]: values for n, values in state.items()}
@@ -185,15 +200,17 @@ def torch_state_from_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
     templates = shards[0]["optim_scalars"]
     for key, value in templates.items():  # a shard written before each parameter had its own: the shared one
         scalars.setdefault(key, torch.full((len(layout.names),), float(value), dtype=torch.float64))
+    keys = {k: v.dtype for s in shards for k, v in s["optim_state"].items()}  # every rank's (SGD: made when stepped)
     state: dict[int, dict[str, Any]] = {}
     for i, shape in enumerate(layout.shapes):
         if any(math.isnan(float(v[i])) for v in scalars.values()):
             continue  # never stepped: torch keeps no state for it
         values: dict[str, Any] = {}
-        for key, vector in shards[0]["optim_state"].items():
-            flat = torch.empty(math.prod(shape), dtype=vector.dtype)
+        for key, dtype in keys.items():
+            flat = torch.zeros(math.prod(shape), dtype=dtype)  # a rank that never made this key: zeros there
             for rank, start, first, length in pieces.get(i, []):
-                flat[first : first + length].copy_(shards[rank]["optim_state"][key][start : start + length])
+                if key in shards[rank]["optim_state"]:
+                    flat[first : first + length].copy_(shards[rank]["optim_state"][key][start : start + length])
             values[key] = flat.reshape(shape)
         for key, vector in scalars.items():
             template = templates.get(key)

@@ -82,6 +82,12 @@ def export_for_trainer(directory: str | Path) -> Path:
             "first (python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...)."
         )
     shards = [_read(files[r]) for r in range(world)]
+    if not shards[0].get("empty_groups_kept") and len(shards[0]["hparams"]) == 1:
+        raise ValueError(
+            f"{directory} was written by hf_acco 0.1.0, whose ACCOTrainer left out an empty parameter group that "
+            "plain Trainer's optimizer has: resume it once with ACCOTrainer of this version, let it save a "
+            "checkpoint, and run to-trainer on that one."
+        )
     target = directory / TRAINER_OPTIMIZER
     atomic_save(torch_state_from_shards(shards), target)
     return target

@@ -29,7 +29,7 @@ from hf_acco.engine.checkpoint import (
 )
 from hf_acco.engine.torch_format import (
     FROM_SHARDS,
-    element_keys,
+    optimizer_keys,
     scheduler_with_empty_groups,
     shard_from_torch_state,
 )
@@ -62,12 +62,15 @@ def stale_files(path: str) -> str | None:
     found = shard_files(path)
     if not (found and os.path.isfile(optimizer_file)):
         return None
-    made_from = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True).get(FROM_SHARDS)
-    if made_from is not None and made_from.get("world_size") in found:
-        files = found[made_from["world_size"]]
-        shard = torch.load(next(iter(files.values())), map_location="cpu", weights_only=True, mmap=True)
-        if made_from.get("step_count") == shard.get("step_count"):
-            return None  # to-trainer's, from these shards
+    try:
+        made_from = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True).get(FROM_SHARDS)
+        if made_from is not None and made_from.get("world_size") in found:
+            files = found[made_from["world_size"]]
+            shard = torch.load(next(iter(files.values())), map_location="cpu", weights_only=True, mmap=True)
+            if made_from.get("step_count") == shard.get("step_count"):
+                return None  # to-trainer's, from these shards
+    except Exception as e:  # noqa: BLE001 - a damaged file: a reason, not a crash of the checkpoint scan
+        return f"its {OPTIMIZER_NAME} or an optimizer shard cannot be read ({type(e).__name__}: {e})"
     return (
         f"it holds ACCO optimizer shards and a plain Trainer {OPTIMIZER_NAME} not made from them (a plain Trainer run "
         f"and an ACCO run saved this step into one directory): delete the stale one ({OPTIMIZER_NAME}, or the "
@@ -184,10 +187,7 @@ def peer_failure(args: TrainingArguments, error: BaseException) -> PeerFailure:
 
 def save_engine_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
     """Every rank's optimizer shard; on the writing process the scheduler and, with paced accumulation, the position
-    in the epoch (the same on every rank at a step boundary). A plain Trainer ``optimizer.pt`` found there is an
-    earlier run's (or made by to-trainer from earlier shards): removed, so that it cannot be resumed from."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(output_dir, OPTIMIZER_NAME))
+    in the epoch (the same on every rank at a step boundary)."""
     save_optimizer_state(engine_of(trainer), output_dir)  # every rank writes its own shard
     data = trainer._pacer.state_dict() if trainer._pacer is not None else None  # collective with streams
     if trainer.args.should_save:
@@ -227,6 +227,19 @@ def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
         trainer.lr_scheduler.load_state_dict(state)  # type: ignore[union-attr]  # (Trainer's, built by then)
 
 
+def clear_for_rewrite(trainer: ACCOTrainerMixin, trial: Any) -> None:
+    """Before a checkpoint is written: where this step was saved before (a run resumed from an earlier step, or a
+    plain Trainer run into the same output_dir), its ``trainer_state.json`` and a plain Trainer ``optimizer.pt`` go
+    first. The checkpoint is then incomplete until the new trainer state is written (after every rank's files), and
+    no optimizer state of the other run stays beside the new model files."""
+    if not trainer.args.should_save:
+        return
+    folder = os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    for name in (TRAINER_STATE_NAME, OPTIMIZER_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
+
+
 def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
     """Plain Trainer's ``optimizer.pt`` into the engine (collective): the same moments, each parameter's step count,
     the groups' hyper-parameters, every rank reading only its own ranges (memory-mapped); the master weights are
@@ -237,7 +250,10 @@ def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None
         saved = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True, mmap=True)
         with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
             step = int(json.load(f)["global_step"])
-        keys = element_keys(acco.shard.inner, acco.device)
+        try:  # the keys this run's optimizer keeps (a custom one that cannot be probed: the ones it has)
+            keys = optimizer_keys(acco.shard.inner, acco.shard.defaults, acco.device)
+        except Exception:  # noqa: BLE001
+            keys = None
         state = shard_from_torch_state(acco.state_dict(), acco.layout, acco.comm.rank, saved, step, keys)
     except Exception as e:  # noqa: BLE001 - any failure (a damaged file too) on every rank, with what to do
         error = ValueError(

@@ -57,7 +57,7 @@ TRAINER_PRIVATE_METHODS = (
     "_wrap_model", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate", "_finalize_training",
     "_save_optimizer_and_scheduler", "_save_rng_state", "_load_optimizer_and_scheduler", "_init_training_state",
     "_track_num_input_tokens", "_get_num_items_in_batch", "_remove_unused_columns",
-    "_get_collator_with_removed_columns",
+    "_get_collator_with_removed_columns", "_save_checkpoint", "_get_output_dir",
 )  # fmt: skip
 TRAINER_PRIVATE_ATTRIBUTES = (
     "loss_is_scaled_for_ga",
@@ -289,6 +289,10 @@ class ACCOTrainerMixin(_TrainerBase):
             return super().save_model(output_dir, _internal_call)
         with self.acco.committed_parameters(), checkpoints.model_files_on_this_node(self):
             super().save_model(output_dir, _internal_call)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        checkpoints.clear_for_rewrite(self, trial)  # a step saved again: no other run's state left beside ours
+        super()._save_checkpoint(model, trial)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         checkpoints.save_engine_state(self, output_dir)  # one shard per rank instead of optimizer.pt
