@@ -3,7 +3,8 @@
 torch's ``Optimizer.state_dict()`` (what plain Trainer writes as ``optimizer.pt``) holds each parameter's state by
 its number, the parameters numbered in the order of the parameter groups, with each group's hyper-parameters. The
 engine's layout lists the same trainable parameters in the same order (``trainable_parameters``: group by group),
-so parameter ``k`` of the ``j``-th non-empty group is the same parameter on both sides.
+so parameter ``k`` of group ``j`` is the same parameter on both sides where the groups are the same (ACCOTrainer gives
+the engine Trainer's two, an empty one too; their sizes are checked, and the names where the state has them).
 
 * ``shard_from_torch_state``: this rank's shard state from such a state dict (a plain Trainer checkpoint resumed
   under ACCO). Each rank reads only its own ranges of the saved tensors (memory-mapped by ``torch.load``).
