@@ -132,7 +132,7 @@ def test_a_plain_trainer_checkpoint_resumes_under_acco_trainer_with_its_optimize
 ) -> None:
     """A DDP job switched to ACCO: the class changes, resume_from_checkpoint=True stays. Trainer's optimizer.pt
     (moments, step counts) becomes the engine's state: under sync the run goes on as DDP's does. With LoRA one of
-    Trainer's two groups is empty (no adapter weight is without decay): the engine has one, and so its scheduler."""
+    Trainer's two groups is empty (no adapter weight is without decay): the engine keeps it too, as its scheduler."""
     ddp = train(tmp_path, acco=False, save_steps=6, lora=lora)
     (tmp_path / "checkpoint-12").rename(tmp_path / "later")  # resume=last finds checkpoint-6
     sync = train(tmp_path, acco=True, resume="last", lora=lora, extra={"acco_schedule": "sync"})
