@@ -135,7 +135,7 @@ def missing_shards(
         return _missing_parts(parts)
     found = shard_files(directory)
     if not found:
-        return "the ACCO optimizer shards acco_optimizer_rank*_of_*.pt, or Trainer's optimizer.pt (save_only_model?)"
+        return "the ACCO optimizer shards acco_optimizer_rank*_of_*.pt (save_only_model?)"
     if len(found) > 1:
         return f"a single set of optimizer shards (it has several world sizes {sorted(found)})"
     ((world, files),) = found.items()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hf_acco.engine.checkpoint import _part_folders, _read, atomic_save, gather_shards, shard_files
+from hf_acco.engine.checkpoint import _part_folders, _read, atomic_save, gather_shards, missing_shards, shard_files
 from hf_acco.engine.rebuild import rebuild_shards
 from hf_acco.engine.torch_format import torch_state_from_shards
 
@@ -68,19 +68,14 @@ def export_for_trainer(directory: str | Path) -> Path:
             f"{directory} was written with FSDP inside each machine: its optimizer state covers FSDP's local shards, "
             "which plain Trainer's FSDP checkpoint stores otherwise. Resume it with ACCOTrainer."
         )
-    found = shard_files(directory)
-    if len(found) != 1:
+    why = missing_shards(directory)  # every rank's shard of one run, as a resume on another world size needs
+    if why:
         raise FileNotFoundError(
-            f"{directory} has no single set of ACCO optimizer shards (acco_optimizer_rank*_of_*.pt; found world "
-            f"sizes {sorted(found)}): point at a checkpoint-N directory that ACCOTrainer wrote."
+            f"{directory} lacks {why}: point at a checkpoint-N directory that ACCOTrainer wrote, with every rank's "
+            "shard in it (per-node checkpoints: gather them first, python -m hf_acco.checkpoint gather --into DIR "
+            "NODE_DIRS...)."
         )
-    ((world, files),) = found.items()
-    missing = sorted(set(range(world)) - set(files))
-    if missing:
-        raise FileNotFoundError(
-            f"{directory} lacks the optimizer shards of ranks {missing} (of {world}): gather every node's shards "
-            "first (python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...)."
-        )
+    ((world, files),) = shard_files(directory).items()
     shards = [_read(files[r]) for r in range(world)]
     if not shards[0].get("empty_groups_kept") and len(shards[0]["hparams"]) == 1:
         raise ValueError(
