@@ -20,8 +20,10 @@ ACCUM, STEPS = 4, 6
 
 def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: int = 0, save: str | None = None,
          load: str | None = None, stop: int = STEPS, weight_decay: float = 0.1,
-         hsdp: bool = False) -> list[torch.Tensor]:  # fmt: skip
-    """``hsdp``: Accelerate set up for FSDP2 inside 2 machines of world_size / 2 ranks (as for its HSDP)."""
+         hsdp: bool = False, grouped: bool | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """``hsdp``: Accelerate set up for FSDP2 inside 2 machines of world_size / 2 ranks (as for its HSDP).
+    ``grouped``: the torch optimizer's parameter groups of ``user_groups`` (a frozen norm, another learning rate
+    for the embeddings), given to ``prepare_acco`` too; False: prepare_acco's own groups (None: as ``acco``)."""
     set_seed(0)
     sharding = {}
     if hsdp:
@@ -35,12 +37,14 @@ def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: 
         sharding = {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2), "parallelism_config": shape}
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, **sharding)
     model = tiny_llama()
+    params = user_groups(model) if grouped else None if acco else model.parameters()
     if acco:  # the changed lines
         model, optimizer = prepare_acco(
-            accelerator, model, lr=1e-2, weight_decay=weight_decay, schedule=schedule, max_grad_norm=1.0
-        )
+            accelerator, model, params=params, lr=1e-2, weight_decay=weight_decay, schedule=schedule,
+            max_grad_norm=1.0,
+        )  # fmt: skip
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=weight_decay)
         model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s)))
     if load is not None:
@@ -60,6 +64,14 @@ def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: 
     if acco:
         optimizer.optimizer.finalize()  # committed parameters in the model
     return [full(p) for p in accelerator.unwrap_model(model).parameters()]
+
+
+def user_groups(model: torch.nn.Module) -> list[dict]:
+    """A hand-written loop's own groups: the embeddings at another learning rate, the rest at the optimizer's
+    default; the final norm frozen (torch's optimizer still numbers it, the engine leaves it out)."""
+    model.model.norm.weight.requires_grad_(False)
+    embed = model.model.embed_tokens.weight
+    return [{"params": [embed], "lr": 3e-3}, {"params": [p for p in model.parameters() if p is not embed]}]
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
@@ -85,13 +97,38 @@ def test_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:
         assert all(torch.equal(a, b) for a, b in zip(resumed[r], straight[r]))
 
 
-@pytest.mark.parametrize("schedule", ["sync", "acco"])
-def test_fsdp_inside_machines_in_an_accelerate_loop_equals_acco_without_fsdp(schedule: str) -> None:
-    """4 ranks as 2 machines x 2: FSDP inside each, the engine across; the same training as without FSDP."""
-    plain = run_ranks(loop, world_size=4, backend=None, acco=True, schedule=schedule)
-    ours = run_ranks(loop, world_size=4, backend=None, acco=True, schedule=schedule, hsdp=True)
+@pytest.mark.parametrize(("schedule", "grouped"), [("sync", False), ("acco", False), ("sync", True)])
+def test_fsdp_inside_machines_in_an_accelerate_loop_equals_acco_without_fsdp(schedule: str, grouped: bool) -> None:
+    """4 ranks as 2 machines x 2: FSDP inside each, the engine across; the same training as without FSDP (with the
+    user's own groups too: found by name among FSDP's parameters)."""
+    plain = run_ranks(loop, world_size=4, backend=None, acco=True, schedule=schedule, grouped=grouped)
+    ours = run_ranks(loop, world_size=4, backend=None, acco=True, schedule=schedule, hsdp=True, grouped=grouped)
     assert rel(ours[0], plain[0]) < 1e-5
     assert all(all(torch.equal(a, b) for a, b in zip(ours[0], ours[r])) for r in range(1, 4))
+
+
+def test_prepare_acco_takes_the_torch_optimizers_parameter_groups() -> None:
+    """params= the groups the torch optimizer had (their own learning rate, a frozen parameter, the default weight
+    decay): ``sync`` equals DDP with that optimizer."""
+    ddp = run_ranks(loop, backend=None, acco=False, grouped=True)
+    ours = run_ranks(loop, backend=None, acco=True, schedule="sync", grouped=True)
+    assert rel(ours[0], ddp[0]) < 1e-6
+    norm = [n for n, _ in tiny_llama().named_parameters()].index("model.norm.weight")
+    assert torch.equal(ours[0][norm], tiny_llama().model.norm.weight.detach())  # frozen: as it was
+
+
+def test_a_plain_accelerate_checkpoint_resumes_under_prepare_acco(tmp_path: Path) -> None:
+    """A plain (DDP) loop's save_state, loaded after prepare_acco with the same groups: its AdamW moments and step
+    counts carry on, so ``sync`` continues exactly as DDP would. With prepare_acco's own groups (not the optimizer's)
+    every rank refuses it, saying what to pass."""
+    ddp = run_ranks(loop, backend=None, acco=False, grouped=True, save=str(tmp_path))
+    assert (tmp_path / "optimizer.bin").is_file()
+    ours = run_ranks(loop, backend=None, acco=True, schedule="sync", grouped=True, start=STEPS // 2,
+                     load=str(tmp_path))  # fmt: skip
+    assert rel(ours[0], ddp[0]) < 1e-6
+    with pytest.raises(RuntimeError, match=r"params=\.\.\., as that optimizer was given them"):
+        run_ranks(loop, backend=None, acco=True, schedule="sync", grouped=False, start=STEPS // 2,
+                  load=str(tmp_path))  # fmt: skip
 
 
 def test_fsdp_inside_machines_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.engine.shard_state import reshard, with_empty_groups
+from hf_acco.engine.torch_format import optimizer_keys, shard_from_torch_state
 
 _PART_RE = re.compile(r"fsdp_shard(\d+)_of_(\d+)$")
 _SHARD_RE = re.compile(r"^acco_optimizer_rank(\d+)_of_(\d+)\.pt$")
@@ -94,6 +96,35 @@ def load_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike)
         optimizer.raise_if_any_rank_failed(e)  # every rank raises, none waits in a collective
         raise
     optimizer.load_state_dict(state)
+
+
+def import_torch_state(
+    optimizer: ACCOOptimizer,
+    read: Callable[[], tuple[dict[str, Any], int]],
+    explain: Callable[[Exception], Exception],
+) -> int:
+    """A torch optimizer's ``state_dict()`` over the same parameters and groups into ``optimizer`` (collective):
+    ``read()`` gives it and the optimizer steps it has done; each rank keeps its own ranges of the moments, each
+    parameter's step count, the groups' hyper-parameters; the master weights are the model's parameters as they
+    are now (the checkpoint's, loaded just before). A failure on any rank (``read`` or the state not this model's or
+    optimizer's) raises ``explain(error)`` here and an explanation on every other rank; nothing is loaded.
+    Returns the step count loaded."""
+    error, state = None, None
+    try:
+        saved, steps = read()
+        try:  # the keys this run's optimizer keeps (a custom one that cannot be probed: the ones it has)
+            keys = optimizer_keys(optimizer.shard.inner, optimizer.shard.defaults, optimizer.device)
+        except Exception:  # noqa: BLE001
+            keys = None
+        state = shard_from_torch_state(
+            optimizer.state_dict(), optimizer.layout, optimizer.comm.rank, saved, steps, keys
+        )
+    except Exception as e:  # noqa: BLE001 - any failure (a damaged file too) on every rank, with what to do
+        error = explain(e)
+    optimizer.raise_if_any_rank_failed(error)
+    assert state is not None  # (raised above otherwise)
+    optimizer.load_state_dict(state)
+    return int(state["step_count"])
 
 
 def fsdp_sharding_mismatch(directory: str | os.PathLike, shards: int | None) -> str | None:

@@ -184,6 +184,44 @@ def shard_from_torch_state(
     return out
 
 
+def steps_taken(saved: dict[str, Any]) -> int:
+    """The optimizer steps a torch state dict has done: the largest ``step`` of its parameters (torch's optimizers
+    count each parameter's steps; 0 where none keeps one, e.g. SGD without momentum)."""
+    steps = [float(v["step"]) for v in saved.get("state", {}).values() if "step" in v]
+    return int(max(steps, default=0))
+
+
+def over_kept_parameters(saved: dict[str, Any], keep: Sequence[Sequence[bool]]) -> dict[str, Any]:
+    """The state dict of a torch optimizer over only the kept parameters of its groups, renumbered as torch numbers
+    them: ``keep[g][k]`` says whether parameter ``k`` of group ``g`` is kept (the engine leaves frozen ones out of
+    its groups; torch's optimizer numbers them and keeps no state for them while they have no gradient). Raises a
+    ValueError when the groups' sizes are not ``keep``'s."""
+    if not isinstance(saved, dict) or not {"state", "param_groups"} <= set(saved):
+        raise ValueError("Not a torch optimizer state dict (it has no 'state' and 'param_groups').")
+    groups = list(saved["param_groups"])
+    sizes, ours = [len(g["params"]) for g in groups], [len(k) for k in keep]
+    if sizes != ours:
+        raise ValueError(
+            f"The optimizer state has parameter groups of {sizes} parameters, this run's optimizer {ours} (frozen "
+            "ones included): it was written with other parameter groups or for another model."
+        )
+    state, numbers, out_groups = saved["state"], iter(range(sum(map(sum, keep)))), []
+    renumbered: dict[int, Any] = {}
+    for group, kept in zip(groups, keep):
+        params = []
+        for n, k in zip(group["params"], kept):
+            if k:
+                params.append(next(numbers))
+                if n in state:
+                    renumbered[params[-1]] = state[n]
+        names = group.get("param_names")
+        out_groups.append(
+            {**group, "params": params}
+            | ({} if names is None else {"param_names": [m for m, k in zip(names, kept) if k]})
+        )
+    return {**saved, "state": renumbered, "param_groups": out_groups}
+
+
 def torch_state_from_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """torch's ``Optimizer.state_dict()`` of the optimizer over the whole model, from every rank's shard (one run,
     any order): each parameter's per-element state and scalars (a parameter never stepped has none), the groups'

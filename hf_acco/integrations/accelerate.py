@@ -35,6 +35,7 @@ on its own: ``optimizer.step()`` only counts micro-batches there.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -45,21 +46,25 @@ from torch.utils.data import DataLoader
 from accelerate import Accelerator
 from hf_acco.comm.groups import agreed_key, check_world_size, ensure_process_group
 from hf_acco.comm.module_buffers import BufferSync
-from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state
+from hf_acco.engine.checkpoint import import_torch_state, load_optimizer_state, save_optimizer_state
 from hf_acco.engine.core import ACCOOptimizer
+from hf_acco.engine.torch_format import over_kept_parameters, steps_taken
 from hf_acco.integrations import fsdp
 from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
 from hf_acco.pacing.pacer import Pacer
+
+logger = logging.getLogger(__name__)
 
 
 class ACCOAcceleratedOptimizer(AcceleratedOptimizer):
     """Accelerate's optimizer wrapper around an ACCOOptimizer: counts micro-batches, saves per-rank shards."""
 
-    def __init__(self, optimizer: ACCOOptimizer, accelerator: Accelerator) -> None:
+    def __init__(self, optimizer: ACCOOptimizer, accelerator: Accelerator, numbering: list[list[str]]) -> None:
         super().__init__(optimizer, device_placement=False, scaler=accelerator.scaler)
         self.checkpoint_dir: str | None = None
-        # accelerator.backward divides the loss by gradient_accumulation_steps: weigh micro-batches the same way
+        # accelerate.backward divides the loss by gradient_accumulation_steps: weigh micro-batches the same way
         self.micro_batch_weight = 1.0 / accelerator.gradient_accumulation_steps
+        self.numbering = numbering  # each group's parameter names as a torch optimizer numbers them, frozen included
 
     def step(self, closure: Any = None) -> None:
         self.optimizer.after_backward(self.micro_batch_weight)
@@ -73,31 +78,84 @@ class ACCOAcceleratedOptimizer(AcceleratedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.checkpoint_dir is None:
             raise RuntimeError("Load ACCO optimizer state with accelerator.load_state(dir) (after prepare_acco).")
-        load_optimizer_state(self.optimizer, self.checkpoint_dir)  # after Accelerate loaded the model weights
-        self.checkpoint_dir = None
+        directory, self.checkpoint_dir = self.checkpoint_dir, None
+        if "hf_acco" in state_dict:  # after Accelerate loaded the model weights
+            load_optimizer_state(self.optimizer, directory)
+        else:  # a plain Accelerate loop's checkpoint: its torch optimizer's state (the same on every rank)
+            self._import(state_dict, directory)
+
+    def _import(self, saved: dict[str, Any], directory: str) -> None:
+        kept = [
+            {n for n in g.get("param_names", [])} for g in self.optimizer.param_groups
+        ]  # the engine's groups: the trainable parameters
+        keep = [[n in k for n in names] for names, k in zip(self.numbering, kept)]
+
+        def explain(e: Exception) -> Exception:
+            return ValueError(
+                f"Could not load the optimizer state of {directory} (a plain Accelerate checkpoint: a torch "
+                f"optimizer's state) into ACCO: {e} Pass prepare_acco the parameters or parameter groups of the "
+                "optimizer that wrote it (params=..., as that optimizer was given them), or load only its model "
+                "weights."
+            )
+
+        steps = import_torch_state(
+            self.optimizer, lambda: (over_kept_parameters(saved, keep), steps_taken(saved)), explain
+        )
+        logger.info("Loaded a torch optimizer's state from %s into ACCO (%d steps)", directory, steps)
+
+
+def _group_names(model: torch.nn.Module, params: Any) -> list[dict[str, Any]]:
+    """``params`` (what a torch optimizer takes: parameters, (name, parameter) pairs, or dicts of them with
+    per-group settings) as groups with each parameter's name in ``model`` (``param_names``) and no ``params``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    listed = list(params)
+    groups = listed if listed and isinstance(listed[0], dict) else [{"params": listed}]
+    out = []
+    for group in groups:
+        members = group["params"]
+        members = [members] if torch.is_tensor(members) else list(members)
+        tensors = [m[1] if isinstance(m, tuple) else m for m in members]
+        unknown = [tuple(t.shape) for t in tensors if id(t) not in names]
+        if unknown:
+            raise ValueError(
+                f"params holds tensors that are not parameters of the model given to prepare_acco (shapes "
+                f"{unknown[:3]}): pass that model's own parameters (model.parameters(), or groups of them)."
+            )
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        out.append({**settings, "param_names": [names[id(t)] for t in tensors]})
+    return out
 
 
 def prepare_acco(
     accelerator: Accelerator,
     model: torch.nn.Module,
     *,
-    weight_decay: float = 0.0,
+    params: Any = None,
+    weight_decay: float | None = None,
     broadcast_buffers: bool | None = None,
     **acco_kwargs: Any,
 ) -> tuple[torch.nn.Module, ACCOAcceleratedOptimizer]:
     """Prepare ``model`` (no DDP) and build its ACCO optimizer for a hand-written Accelerate loop.
 
-    Weight decay applies to matrices and embeddings, not to biases and norm weights (one-dimensional
-    parameters). ``acco_kwargs`` go to [`ACCOOptimizer`] (``lr``, ``schedule``, ``max_grad_norm``, ...);
-    ``micro_batches`` defaults to the accelerator's ``gradient_accumulation_steps``; ``accumulation="dynamic"``
-    ends its steps itself (``auto_step``). ``broadcast_buffers`` (DDP's; unset: True with fixed accumulation): rank 0's
-    buffers (BatchNorm's running statistics) before the first forward of each accumulation window, as DDP's forward
-    does; False keeps each rank's own, as it is with dynamic or paced accumulation, whose ranks compute different
-    numbers of micro-batches. Collective: every rank.
+    ``params``: what the torch optimizer this replaces was given (``model.parameters()``, or groups of
+    ``model``'s parameters with their own ``lr``, ``weight_decay``, ...); frozen ones are left out, as they get no
+    gradient. Without it: every trainable parameter, weight decay on matrices and embeddings, not on biases and
+    norm weights (one-dimensional parameters). ``weight_decay``: without ``params``, the matrices' (default 0);
+    with them, the default of groups that set none (default: the optimizer's own). ``acco_kwargs`` go to
+    [`ACCOOptimizer`] (``lr``, ``schedule``, ``max_grad_norm``, ...); ``micro_batches`` defaults to the accelerator's
+    ``gradient_accumulation_steps``; ``accumulation="dynamic"`` ends its steps itself (``auto_step``).
+    ``broadcast_buffers`` (DDP's; unset: True with fixed accumulation): rank 0's buffers (BatchNorm's running
+    statistics) before the first forward of each accumulation window, as DDP's forward does; False keeps each rank's
+    own, as it is with dynamic or paced accumulation, whose ranks compute different numbers of micro-batches.
+    Collective: every rank.
+
+    ``accelerator.load_state`` resumes an ACCO checkpoint, and also a plain Accelerate loop's checkpoint (its torch
+    optimizer's state: the moments and step counts carry on) where ``params`` has that optimizer's groups.
 
     Returns ``(model, optimizer)``: the prepared model, and Accelerate's optimizer wrapper around the engine
     (``optimizer.optimizer`` is the [`ACCOOptimizer`]: ``finalize()``, ``committed_parameters()``, ...). Raises
-    ``ValueError`` for ``broadcast_buffers=True`` under FSDP or with accumulation other than ``"fixed"``.
+    ``ValueError`` for ``params`` that are not ``model``'s, for ``broadcast_buffers=True`` under FSDP or with
+    accumulation other than ``"fixed"``.
 
     With Accelerate set up for FSDP2 over several machines (``fsdp_version: 2`` and a parallelism config of
     ``dp_replicate_size`` machines x ``dp_shard_size`` GPUs each), FSDP shards the model inside each machine and the
@@ -108,6 +166,7 @@ def prepare_acco(
     """
     check_world_size(accelerator.num_processes)
     ensure_process_group(accelerator.device)
+    named_groups = None if params is None else _group_names(model, params)  # by name: FSDP replaces the parameters
     sharded = fsdp.hsdp_layout(accelerator) is not None  # FSDP2 inside each machine, ACCO across (docs/hsdp.md)
     if sharded:
         if broadcast_buffers:
@@ -118,13 +177,21 @@ def prepare_acco(
         fsdp.sync_every_micro_batch(accelerator)
     else:
         model = accelerator.prepare_model(model, evaluation_mode=True)  # autocast and placement; ACCO averages
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for _, p in named if p.ndim >= 2], "param_names": [n for n, p in named if p.ndim >= 2],
-         "weight_decay": weight_decay},
-        {"params": [p for _, p in named if p.ndim < 2], "param_names": [n for n, p in named if p.ndim < 2],
-         "weight_decay": 0.0},
-    ]  # fmt: skip
+    if named_groups is not None:
+        by_name = dict(accelerator.unwrap_model(model).named_parameters())
+        groups = [{**g, "params": [by_name[n] for n in g["param_names"]]} for g in named_groups]
+        if weight_decay is not None:
+            acco_kwargs.setdefault("weight_decay", weight_decay)
+    else:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for _, p in named if p.ndim >= 2], "param_names": [n for n, p in named if p.ndim >= 2],
+             "weight_decay": weight_decay or 0.0},
+            {"params": [p for _, p in named if p.ndim < 2], "param_names": [n for n, p in named if p.ndim < 2],
+             "weight_decay": 0.0},
+        ]  # fmt: skip
+        groups = [g for g in groups if g["params"]]
+    numbering = [list(g["param_names"]) for g in groups]  # before the engine leaves the frozen ones out
     acco_kwargs.setdefault("micro_batches", accelerator.gradient_accumulation_steps)
     if acco_kwargs.get("accumulation") == "dynamic":
         acco_kwargs.setdefault("auto_step", True)  # its steps end with the round, not with Accelerate's windows
@@ -135,10 +202,10 @@ def prepare_acco(
             "different numbers of micro-batches and never meet before the same forward. Pass "
             "broadcast_buffers=False (each rank keeps its own buffers)."
         )
-    engine = ACCOOptimizer([g for g in groups if g["params"]], **acco_kwargs)
+    engine = ACCOOptimizer(groups, **acco_kwargs)
     if broadcast_buffers is not False and fixed and accelerator.num_processes > 1 and not sharded:  # DDP's
         BufferSync(model, lambda: accelerator.sync_gradients)
-    optimizer = ACCOAcceleratedOptimizer(engine, accelerator)
+    optimizer = ACCOAcceleratedOptimizer(engine, accelerator, numbering)
     optimizer._is_accelerate_prepared = True
     if not sharded:  # registered for save_state / load_state (with FSDP they would save it as a torch optimizer's
         optimizer = accelerator.prepare_optimizer(optimizer)  # state dict, whose loading steps it: the hooks do)

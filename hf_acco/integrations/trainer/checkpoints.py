@@ -22,17 +22,13 @@ from hf_acco.comm.groups import every_rank
 from hf_acco.engine.checkpoint import (
     _part_folders,
     atomic_save,
+    import_torch_state,
     load_optimizer_state,
     missing_shards,
     save_optimizer_state,
     shard_files,
 )
-from hf_acco.engine.torch_format import (
-    FROM_SHARDS,
-    optimizer_keys,
-    scheduler_with_empty_groups,
-    shard_from_torch_state,
-)
+from hf_acco.engine.torch_format import FROM_SHARDS, scheduler_with_empty_groups
 from hf_acco.integrations.trainer.engine import engine_of
 
 if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
@@ -245,25 +241,20 @@ def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None
     the groups' hyper-parameters, every rank reading only its own ranges (memory-mapped); the master weights are
     the model Trainer has just loaded from the checkpoint's model files, the engine's step count the checkpoint's
     ``global_step``. A bad file raises on every rank, and nothing is loaded."""
-    acco, error, state = engine_of(trainer), None, None
-    try:
+
+    def read() -> tuple[dict[str, Any], int]:
         saved = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True, mmap=True)
         with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
-            step = int(json.load(f)["global_step"])
-        try:  # the keys this run's optimizer keeps (a custom one that cannot be probed: the ones it has)
-            keys = optimizer_keys(acco.shard.inner, acco.shard.defaults, acco.device)
-        except Exception:  # noqa: BLE001
-            keys = None
-        state = shard_from_torch_state(acco.state_dict(), acco.layout, acco.comm.rank, saved, step, keys)
-    except Exception as e:  # noqa: BLE001 - any failure (a damaged file too) on every rank, with what to do
-        error = ValueError(
+            return saved, int(json.load(f)["global_step"])
+
+    def explain(e: Exception) -> Exception:
+        return ValueError(
             f"Could not resume the plain Trainer checkpoint {checkpoint} under ACCOTrainer: {e} Resume it with "
             "plain Trainer, or start from its model files without the optimizer state."
         )
-    acco.raise_if_any_rank_failed(error)
-    assert state is not None  # (raised above otherwise)
-    acco.load_state_dict(state)
-    logger.info("Resumed plain Trainer's optimizer state from %s (%d steps)", checkpoint, state["step_count"])
+
+    steps = import_torch_state(engine_of(trainer), read, explain)
+    logger.info("Resumed plain Trainer's optimizer state from %s (%d steps)", checkpoint, steps)
 
 
 def ranks_meet_before_trainer_state() -> None:
