@@ -83,11 +83,14 @@ def hsdp_layout(accelerator: Any) -> tuple[int, int] | None:
 
 class _OneMachineView:
     """The accelerator as ``fsdp2_prepare_model`` reads it, except that FSDP's mesh is the machine's own ranks
-    (``dp_shard_cp``) instead of HSDP's 2-D (``dp_replicate``, ``dp_shard_cp``)."""
+    (``dp_shard_cp``) instead of HSDP's 2-D (``dp_replicate``, ``dp_shard_cp``), and, where ``keep_dtype``, no
+    mixed precision for its fp32 upcast of the trainable parameters to read (its policy is the plugin's, unchanged)."""
 
-    def __init__(self, accelerator: Any) -> None:
+    def __init__(self, accelerator: Any, keep_dtype: bool) -> None:
         self._accelerator = accelerator
         self.parallelism_config = SimpleNamespace(fsdp_dim_names=["dp_shard_cp"])
+        if keep_dtype:
+            self.mixed_precision = "no"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._accelerator, name)
@@ -95,11 +98,17 @@ class _OneMachineView:
 
 def shard_within_machines(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
     """``fully_shard`` the model over each machine's ranks, in place, as Accelerate would for FSDP2 (its wrapping
-    policy, mixed precision policy and fp32 upcast of trainable parameters, tail group, low-memory loading). Done
-    before the engine exists: Accelerate's later ``prepare`` sees an FSDP model and leaves it as it is."""
+    policy, mixed precision policy, tail group, low-memory loading). Done before the engine exists: Accelerate's
+    later ``prepare`` sees an FSDP model and leaves it as it is.
+
+    The trainable parameters keep their dtype where they share one (a bf16 model's shards stay bf16): Accelerate
+    upcasts them to fp32 under mixed precision because its optimizer steps FSDP's shards, which must then be the
+    fp32 masters; here the engine steps its own fp32 master shard and FSDP's parameters are what the forward reads,
+    as without FSDP. Trainable parameters of several dtypes are upcast as Accelerate does (FSDP needs one)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-    return fsdp2_prepare_model(_OneMachineView(accelerator), model)
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    return fsdp2_prepare_model(_OneMachineView(accelerator, keep_dtype=len(dtypes) == 1), model)
 
 
 def check_args(args: Any) -> None:

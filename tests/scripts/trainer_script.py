@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--hsdp", action="store_true", help="FSDP2 inside --machines machines (as for Accelerate's HSDP)"
     )
     parser.add_argument("--machines", type=int, default=2, help="with --hsdp: dp_replicate_size")
+    parser.add_argument("--model_dtype", default="float32", help="the dtype the model is built in (bfloat16)")
     parser.add_argument(
         "--fsdp_reduce_fp32", action="store_true", help="with --hsdp and bf16: FSDP reduces gradients in fp32"
     )
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
     )  # fmt: skip
+    model = model.to(getattr(torch, cli.model_dtype))
     if cli.lora:
         from peft import LoraConfig, get_peft_model
 
