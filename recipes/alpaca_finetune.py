@@ -59,7 +59,7 @@ from hf_acco.tasks.alpaca import (
     normalise,
     tokenize_example,
 )
-from hf_acco.tasks.cli import defaults_help, refuse_schedule
+from hf_acco.tasks.cli import defaults_help, refuse_schedule, resume_target
 
 # Defaults for the offline main job; anything given on the command line comes after them and wins.
 DEFAULT_TRAINING_ARGS = [
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     # it has wrapped the model for DDP. trainer.evaluate() before train() would leave the DDP baseline unwrapped
     # (transformers 5.24 with accelerate 1.15: evaluate() marks the bare model as prepared, so train() skips DDP
     # and every rank trains on its own gradients). ACCOTrainer does its own communication and is not affected.
-    fresh_start = training_args.resume_from_checkpoint is None
+    fresh_start = resume_target(training_args.resume_from_checkpoint) is None
     training_args.eval_on_start = fresh_start
     trainer = trainer_cls(
         model=model,
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     if checkable and fresh_start:
         metrics["exact_match_before"] = exact_match(trainer, tokenizer, heldout)
     start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_target(training_args.resume_from_checkpoint))
     metrics["train_seconds"] = time.perf_counter() - start
     if script_args.method == "ddp" and training_args.world_size > 1:
         check_ddp_wrapped(trainer)

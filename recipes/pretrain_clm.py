@@ -41,7 +41,7 @@ from transformers import (
 
 from hf_acco import ACCOConfig, ACCOTrainer, end_training
 from hf_acco.integrations.baselines import baseline_arguments, bf16_wire_hook, check_ddp_wrapped
-from hf_acco.tasks.cli import defaults_help, refuse_schedule
+from hf_acco.tasks.cli import defaults_help, refuse_schedule, resume_target
 from hf_acco.tasks.lambada import encode_pair, load_jsonl_texts, score, split_context_target
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
         if script_args.method != "ddp":
             raise ValueError("--ddp_bf16_hook is for --method ddp; ACCO's own choice is --acco_comm_dtype bf16")
         trainer.add_callback(hook := BF16WireHook(trainer))
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_target(training_args.resume_from_checkpoint))
     if script_args.ddp_bf16_hook and training_args.world_size > 1 and not hook.registered:
         raise RuntimeError("--ddp_bf16_hook: Trainer did not wrap the model in DDP, so no hook was registered")
     if script_args.method == "ddp" and training_args.world_size > 1:

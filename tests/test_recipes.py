@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,8 +135,10 @@ def test_alpaca_recipe_trains_saves_resumes_and_lambada_scores_its_output(tmp_pa
     assert 0.0 <= metrics["exact_match_after"] <= 1.0
     assert (out / "model.safetensors").is_file() and (out / "loss_curve.png").is_file()
     assert (out / "checkpoint-4" / "acco_optimizer_rank1_of_2.pt").is_file()
-    # resume from the middle: ends at the same step count, from the checkpoint's state
-    launch("alpaca_finetune.py", *common, "--resume_from_checkpoint", str(out / "checkpoint-4"))
+    # resume from the middle (`true`: the latest complete checkpoint, here checkpoint-4 once checkpoint-8 is gone):
+    # ends at the same step count, from the checkpoint's state
+    shutil.rmtree(out / "checkpoint-8")
+    launch("alpaca_finetune.py", *common, "--resume_from_checkpoint", "true")
     resumed = json.loads((out / "metrics.json").read_text())
     assert resumed["steps"] == 8
     assert resumed["heldout_loss"] == pytest.approx(metrics["heldout_loss"], rel=1e-4)

@@ -23,3 +23,12 @@ def refuse_schedule(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         parser.set_defaults(acco_schedule=default)
     if given is not None:
         parser.error("--acco_schedule: this recipe sets the schedule with --method (acco, dpu or sync).")
+
+
+def resume_target(value: str | None) -> str | bool | None:
+    """``--resume_from_checkpoint`` as ``train()`` takes it: ``true`` (or ``last``, ``latest``) is True, the latest
+    complete checkpoint in ``--output_dir`` (what the docs' "restart with resume_from_checkpoint=True" means on a
+    command line, where TrainingArguments keeps the text); ``false`` or empty is None; anything else is a path."""
+    if value is None or value.strip().lower() in ("", "false", "no", "none"):
+        return None
+    return True if value.strip().lower() in ("true", "yes", "last", "latest") else value
