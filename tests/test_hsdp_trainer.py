@@ -25,13 +25,18 @@ def hsdp_run(tmp_path_factory) -> list[dict]:
     return hsdp(tmp_path_factory.mktemp("hsdp"), acco=False)
 
 
+@pytest.fixture(scope="module")
+def hsdp_sync_run(tmp_path_factory) -> list[dict]:
+    return hsdp(tmp_path_factory.mktemp("hsdp_sync"), acco=True, extra={"acco_schedule": "sync"})
+
+
 def _same_model_on_every_rank(result: list[dict]) -> None:
     for r in range(1, len(result)):  # the full parameters, gathered: the same on every rank
         assert torch.equal(flat(result[r]["params"]), flat(result[0]["params"]))
 
 
-def test_sync_schedule_equals_trainer_hsdp(tmp_path: Path, hsdp_run: list[dict]) -> None:
-    ours = hsdp(tmp_path, acco=True, extra={"acco_schedule": "sync"})
+def test_sync_schedule_equals_trainer_hsdp(hsdp_run: list[dict], hsdp_sync_run: list[dict]) -> None:
+    ours = hsdp_sync_run
     assert ours[0]["fsdp_sharded"] and ours[0]["engine_ranks"] == 2  # FSDP over a machine, the rounds across two
     assert losses(ours[0]) == pytest.approx(losses(hsdp_run[0]), rel=1e-5)
     norms = [[h["grad_norm"] for h in r["log_history"] if "loss" in h] for r in (ours[0], hsdp_run[0])]
@@ -75,6 +80,17 @@ def test_a_bf16_model_keeps_bf16_shards_and_trains_as_without_fsdp(tmp_path: Pat
     assert losses(ours[0])[-1] < losses(ours[0])[0] - 0.05
     assert rel(flat(ours[0]["params"]).float(), flat(plain[0]["params"]).float()) < 5e-3  # measured: 7e-4
     _same_model_on_every_rank(ours)
+
+
+def test_low_memory_loading_gives_every_rank_rank_0s_weights(tmp_path: Path, hsdp_sync_run: list[dict]) -> None:
+    """FSDP's low-memory loading (``cpu_ram_efficient_loading``, as accelerate_configs/hsdp_acco.yaml sets it): only
+    rank 0 holds the weights (the others' are NaN, as from_pretrained leaves them empty there), Accelerate hands each
+    rank its shard of rank 0's: the same run, bit for bit."""
+    config = {"version": 2, "reshard_after_forward": True, "cpu_ram_efficient_loading": True}
+    ours = hsdp(tmp_path, acco=True, weights_on_rank0_only=True,
+                extra={"acco_schedule": "sync", "fsdp_config": config})  # fmt: skip
+    assert losses(ours[0]) == losses(hsdp_sync_run[0])
+    assert torch.equal(flat(ours[0]["params"]), flat(hsdp_sync_run[0]["params"]))
 
 
 def test_acco_schedule_equals_acco_without_fsdp(tmp_path: Path) -> None:

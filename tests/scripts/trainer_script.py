@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--hsdp", action="store_true", help="FSDP2 inside --machines machines (as for Accelerate's HSDP)"
     )
     parser.add_argument("--machines", type=int, default=2, help="with --hsdp: dp_replicate_size")
+    parser.add_argument(
+        "--weights_on_rank0_only", action="store_true",
+        help="NaN weights on every rank but 0 (as from_pretrained leaves them under FSDP's low-memory loading)",
+    )  # fmt: skip
     parser.add_argument("--model_dtype", default="float32", help="the dtype the model is built in (bfloat16)")
     parser.add_argument(
         "--fsdp_reduce_fp32", action="store_true", help="with --hsdp and bf16: FSDP reduces gradients in fp32"
@@ -161,6 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
     )  # fmt: skip
     model = model.to(getattr(torch, cli.model_dtype))
+    if cli.weights_on_rank0_only and int(os.environ.get("RANK", "0")) != 0:
+        for p in model.parameters():
+            p.data = torch.full_like(p, float("nan"))
     if cli.lora:
         from peft import LoraConfig, get_peft_model
 
