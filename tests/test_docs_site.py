@@ -89,6 +89,33 @@ def test_the_launch_command_for_2_machines_of_8_gpus_is_one_accelerate_and_the_r
     assert training.bf16 and training.gradient_accumulation_steps == 8 and trainer_cls.__name__ == "ACCOTrainer"
 
 
+def test_the_fsdp_launch_command_for_4_machines_of_8_gpus_is_one_accelerate_and_the_recipe_accept(
+    monkeypatch,
+) -> None:
+    """getting-started's FSDP-inside-machines command: accelerate's parser takes it, the config file with its
+    overrides describes 4 machines x 8 GPUs as FSDP2 with the machines as the replicate dimension, and the recipe
+    takes its arguments (a bf16 model, ACCO's leanest settings)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    page = (DOCS / "getting-started.md").read_text()
+    command = shlex.split(_block_with(page, "hsdp_acco.yaml", "bash").replace("\\\n", " "))
+    launch = launch_command_parser().parse_args(command[2:])
+    config = ClusterConfig.from_yaml_file(str(ROOT / launch.config_file))
+    assert config.distributed_type.value == "FSDP" and config.fsdp_config["fsdp_version"] == 2
+    assert config.fsdp_config["fsdp_cpu_ram_efficient_loading"] is True
+    replicate = launch.parallelism_config_dp_replicate_size
+    shard = config.parallelism_config["parallelism_config_dp_shard_size"]
+    assert (launch.num_machines, launch.num_processes, replicate, shard) == (4, 32, 4, 8)
+    spec = importlib.util.spec_from_file_location("alpaca_finetune", ROOT / launch.training_script)
+    recipe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, recipe)
+    spec.loader.exec_module(recipe)
+    script, training, trainer_cls = recipe.parse_arguments(launch.training_script_args)
+    assert script.dtype == "bfloat16" and training.bf16 and training.gradient_checkpointing
+    assert (training.acco_grad_dtype, training.acco_comm_dtype, training.acco_gather_dtype) == ("bf16", "int8", "int8")
+
+
 def test_the_troubleshooting_page_has_every_entry_of_the_readmes_table() -> None:
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## Troubleshooting") : readme.index("## Limitations")]
