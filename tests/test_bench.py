@@ -507,4 +507,5 @@ def test_the_hsdp_benchmark_at_2_nodes_of_2(tmp_path):
     assert across["hsdp_sync"] == pytest.approx(across["hsdp"], rel=0.1)
     assert across["hsdp_acco"] == pytest.approx(2 * across["hsdp_sync"], rel=0.1)
     assert all(r["step_time_s"] > 0 and r["bytes_per_step"] > r["across_bytes_per_step"] for r in runs.values())
+    assert all(r["predicted_step_time_s"] > 0 for r in runs.values())  # the planner's --fsdp beside each
     assert "(emulated)" in (out / "table.md").read_text()

@@ -233,4 +233,5 @@ def hsdp_bench_table() -> str:
     from hf_acco.tools.bench import hsdp
 
     payload = json.loads((ROOT / "recipes" / "results" / "hsdp" / "benchmark.json").read_text())
-    return f"`{payload['command']}`\n\n" + hsdp.table(payload["runs"])
+    predicted = f"; predictions: `{payload['analysed_with']}`" if "analysed_with" in payload else ""
+    return f"`{payload['command']}`{predicted}\n\n" + hsdp.table(payload["runs"])

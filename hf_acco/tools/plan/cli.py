@@ -10,6 +10,7 @@ from typing import Any
 
 from hf_acco.tools.cli_types import GPUS, NONNEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
 from hf_acco.tools.memory import GIB
+from hf_acco.tools.plan import fsdp as _fsdp
 from hf_acco.tools.plan import model as _model
 from hf_acco.tools.plan.memory_fit import setting_bytes, what_would_fit
 from hf_acco.tools.plan.model import (
@@ -46,6 +47,14 @@ def _memory(cluster: Cluster, activations: int = 0) -> Any:
     return lambda method, job: setting_bytes(method, job, cluster) + activations
 
 
+def _mode(job: Job, cluster: Cluster, activations: int, fsdp: bool) -> tuple[Any, Any, Job, Cluster, Any]:
+    """(methods, their names, the job and cluster the step model sees, memory per GPU of a method's setting):
+    ACCO over whole GPUs, or with FSDP inside each node (fsdp.py: the view across nodes)."""
+    if not fsdp:
+        return METHODS, NAMES, job, cluster, _memory(cluster, activations)
+    return (_fsdp.METHODS, _fsdp.NAMES, *_fsdp.view(job, cluster), _fsdp.memory(job, cluster, activations))
+
+
 def _activations(args: argparse.Namespace, job: Job, checkpointing: bool | None = None) -> int:
     """A micro-batch's activations (rough: model_shape.py) when the model's shape is known (--config), else 0."""
     if getattr(args, "config", None) is None:
@@ -68,15 +77,18 @@ def _what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, activations: i
 
 def report(
     job: Job, cluster: Cluster, c: Constants, tolerance: float = 0.05, gpu_gib: float = 80.0, explain: bool = False,
-    activations: int = 0, checkpointed: int | None = None,
+    activations: int = 0, checkpointed: int | None = None, fsdp: bool = False,
 ) -> str:  # fmt: skip
     """The planner's printout: the table at the stated settings (each method's memory per GPU beside it), the
-    recommendation among the settings that fit, at the user's global batch; the formulas with ``explain``."""
+    recommendation among the settings that fit, at the user's global batch; the formulas with ``explain``. With
+    ``fsdp``: FSDP inside each node, Trainer's HSDP against ACCO across nodes (fsdp.py)."""
     gpu_bytes = gpu_gib * GIB
-    memory = _memory(cluster, activations)
-    rows = [(NAMES[m], {**predict(*m, job, cluster, c), "memory_bytes": memory(m[0], job)}) for m in METHODS]
+    methods, names, step_job, step_cluster, memory = _mode(job, cluster, activations, fsdp)
+    rows = [(names[m], {**predict(m[0], m[1], step_job, step_cluster, c), "memory_bytes": memory(m[0], step_job)})
+            for m in methods]  # fmt: skip
     ddp_step = rows[0][1]["step_s"]
-    rec = recommend(job, cluster, c, tolerance, ks=[job.micro_batches], memory=memory, gpu_bytes=gpu_bytes)
+    rec = recommend(step_job, step_cluster, c, tolerance, ks=[job.micro_batches], methods=methods, memory=memory,
+                    gpu_bytes=gpu_bytes)  # fmt: skip
     ch = rec["choice"]
     lines = [
         f"Cluster: {cluster.gpus} GPUs of {gpu_gib:g} GiB, {cluster.nodes} node(s) of {cluster.local}, intra "
@@ -87,12 +99,22 @@ def report(
         + f"{job.micro_batches} micro-batches per rank per step of "
         f"{', '.join(f'{t:g}' for t in sorted(set(job.micro_batch_s)))} s, {job.micro_batch_tokens} tokens each "
         f"(a global batch of {job.micro_batches * cluster.gpus * job.micro_batch_tokens:,} tokens, the same in "
-        "every row).",
+        "every row)."
+        + (
+            f" FSDP inside each node over its {cluster.local} GPUs, the nodes as the replicate dimension."
+            if fsdp
+            else ""
+        ),
         "",
         _table(rows, ddp_step, gpu_bytes),
         "",
-        "Memory per GPU: hf_acco.memory's peak (ZeRO-1: the engine's sync schedule; DDP: weights, fp32 gradients, "
-        "master and Adam moments), "
+        (
+            "Memory per GPU: hf_acco.memory --fsdp_shard's peak (HSDP: FSDP2's fp32 masters, gradients and Adam "
+            "moments over a node's GPUs), "
+            if fsdp
+            else "Memory per GPU: hf_acco.memory's peak (ZeRO-1: the engine's sync "
+            "schedule; DDP: weights, fp32 gradients, master and Adam moments), "
+        )
         + (
             f"with a micro-batch's activations (roughly {activations / 1e9:.1f} GB)."
             if activations
@@ -109,31 +131,40 @@ def report(
             "Nor with bf16 sums, int8 on the wire, twice the machines or FSDP inside each machine."]  # fmt: skip
     else:
         lines.append("")
-        lines += _recommendation(job, cluster, c, ch, gpu_bytes)
+        lines += _recommendation(step_job, step_cluster, c, ch, gpu_bytes, names, cluster if fsdp else None)
     lines += ["", f"Constants (round / all-reduce): alpha {c.alpha_s['round'] * 1e6:.0f} / "
               f"{c.alpha_s['all_reduce'] * 1e6:.0f} us, efficiency {c.efficiency['round']:.2f} / "
               f"{c.efficiency['all_reduce']:.2f}; step overhead "
               + ", ".join(f"{m} {v * 1e3:.0f} ms" for m, v in c.overhead_s.items()) + f" ({c.source})."]  # fmt: skip
     if explain:
         lines += ["", _model.__doc__.split("**Collectives**")[1].split("``overhead`` is")[0].strip()]
+        lines += ["", _fsdp.__doc__.split("**The view across nodes.**")[1].strip()] if fsdp else []
     else:
         lines.append("The formulas: --explain.")
     return "\n".join(lines)
 
 
-def _recommendation(job: Job, cluster: Cluster, c: Constants, ch: dict[str, Any], gpu_bytes: float) -> list[str]:
+def _recommendation(
+    job: Job, cluster: Cluster, c: Constants, ch: dict[str, Any], gpu_bytes: float, names: dict = NAMES,
+    fsdp_over: Cluster | None = None,
+) -> list[str]:  # fmt: skip
+    """The chosen setting, as training arguments; ``fsdp_over``: the whole cluster, FSDP inside its nodes."""
     left = gpu_bytes - ch["memory_bytes"]
     lines = [
-        f"Recommended: {NAMES[(ch['method'], ch['accumulation'])]}, {ch['micro_batches']} micro-batches per rank per "
+        f"Recommended: {names[(ch['method'], ch['accumulation'])]}, {ch['micro_batches']} micro-batches per rank per "
         f"step: {ch['step_s']:.3f} s/step, {ch['tokens_per_s']:,.0f} tokens/s, {ch['memory_bytes'] / 1e9:.1f} GB per "
         f"GPU ({left / 1e9:.1f} GB left)."
     ]
-    if ch["method"] == "ddp":
-        lines.append(f"  transformers.Trainer, gradient_accumulation_steps={ch['micro_batches']}")
-        return lines
     schedule = "acco" if ch["method"] == "acco" else "sync"
-    lines.append(f"  ACCOTrainer: acco_schedule={schedule!r}, acco_accumulation={ch['accumulation']!r}, "
-                 f"gradient_accumulation_steps={ch['micro_batches']}")  # fmt: skip
+    if fsdp_over is not None:
+        lines += _fsdp.recommendation(ch, fsdp_over)
+    elif ch["method"] == "ddp":
+        lines.append(f"  transformers.Trainer, gradient_accumulation_steps={ch['micro_batches']}")
+    else:
+        lines.append(f"  ACCOTrainer: acco_schedule={schedule!r}, acco_accumulation={ch['accumulation']!r}, "
+                     f"gradient_accumulation_steps={ch['micro_batches']}")  # fmt: skip
+    if ch["method"] == "ddp":
+        return lines
     wire = WIRES[ch["grad_bytes"]]
     gather = f", acco_gather_dtype={CHANGES[job.gather_bytes]!r}" if job.gather_bytes in CHANGES else ""
     lines.append(f"  acco_comm_dtype={wire!r} (gradients on the wire){gather}, acco_bucket_numel="
@@ -310,6 +341,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu_gib", type=POSITIVE_FLOAT, default=None, help="each GPU's memory (default: --gpu's, else 80)"
     )
+    p.add_argument("--fsdp", action="store_true", help="FSDP inside each node over its --gpus_per_node GPUs, ACCO "
+                   "across nodes: Trainer's HSDP against HSDP-ACCO (models beyond ZeRO-1's reach)")  # fmt: skip
     p.add_argument("--explain", action="store_true", help="print the cost model's formulas too")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.add_argument("--quiet", action="store_true", help="print nothing (for callers that read the returned dict)")
@@ -369,10 +402,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.gpu_gib is None:
         args.gpu_gib = float(GPUS[args.gpu][1]) if args.gpu else 80.0
     cluster = Cluster(args.gpus, args.gpus_per_node, args.intra_gbit, args.inter_gbit, args.backend)
+    why = _fsdp.check(cluster) if args.fsdp else None
+    if why:
+        parser.error(why)
     activations = _activations(args, job)
-    memory = _memory(cluster, activations)
-    predictions = {f"{m}:{a}": {**predict(m, a, job, cluster, c), "memory_bytes": memory(m, job)} for m, a in METHODS}
-    rec = recommend(job, cluster, c, ks=[job.micro_batches], memory=memory, gpu_bytes=args.gpu_gib * GIB)
+    methods, _, step_job, step_cluster, memory = _mode(job, cluster, activations, args.fsdp)
+    predictions = {f"{m}:{a}": {**predict(m, a, step_job, step_cluster, c), "memory_bytes": memory(m, step_job)}
+                   for m, a in methods}  # fmt: skip
+    rec = recommend(step_job, step_cluster, c, ks=[job.micro_batches], methods=methods, memory=memory,
+                    gpu_bytes=args.gpu_gib * GIB)  # fmt: skip
     checkpointed = None if args.gradient_checkpointing or not activations else _activations(args, job, True)
     gpu_bytes = args.gpu_gib * GIB
     fixes = _what_would_fit(job, cluster, gpu_bytes, activations, checkpointed) if rec["choice"] is None else []
@@ -382,5 +420,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(out, indent=1) if args.json else report(job, cluster, c, gpu_gib=args.gpu_gib,
                                                                   explain=args.explain,
                                                                   activations=activations,
-                                                                  checkpointed=checkpointed))  # fmt: skip
+                                                                  checkpointed=checkpointed,
+                                                                  fsdp=args.fsdp))  # fmt: skip
     return out
