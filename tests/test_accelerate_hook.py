@@ -19,11 +19,12 @@ ACCUM, STEPS = 4, 6
 
 
 def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: int = 0, save: str | None = None,
-         load: str | None = None, stop: int = STEPS, weight_decay: float = 0.1,
-         hsdp: bool = False, grouped: bool | None = None) -> list[torch.Tensor]:  # fmt: skip
+         load: str | None = None, stop: int = STEPS, weight_decay: float = 0.1, hsdp: bool = False,
+         grouped: bool | None = None, ddp_extra: dict | None = None) -> list[torch.Tensor]:  # fmt: skip
     """``hsdp``: Accelerate set up for FSDP2 inside 2 machines of world_size / 2 ranks (as for its HSDP).
     ``grouped``: the torch optimizer's parameter groups of ``user_groups`` (a frozen norm, another learning rate
-    for the embeddings), given to ``prepare_acco`` too; False: prepare_acco's own groups (None: as ``acco``)."""
+    for the embeddings), given to ``prepare_acco`` too; False: prepare_acco's own groups (None: as ``acco``).
+    ``ddp_extra``: more settings of the plain loop's AdamW (``betas``, ``eps``)."""
     set_seed(0)
     sharding = {}
     if hsdp:
@@ -44,7 +45,7 @@ def loop(rank: int, world_size: int, acco: bool, schedule: str = "acco", start: 
             max_grad_norm=1.0,
         )  # fmt: skip
     else:
-        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=weight_decay, **(ddp_extra or {}))
         model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s)))
     if load is not None:
@@ -118,10 +119,12 @@ def test_prepare_acco_takes_the_torch_optimizers_parameter_groups() -> None:
 
 
 def test_a_plain_accelerate_checkpoint_resumes_under_prepare_acco(tmp_path: Path) -> None:
-    """A plain (DDP) loop's save_state, loaded after prepare_acco with the same groups: its AdamW moments and step
-    counts carry on, so ``sync`` continues exactly as DDP would. With prepare_acco's own groups (not the optimizer's)
-    every rank refuses it, saying what to pass."""
-    ddp = run_ranks(loop, backend=None, acco=False, grouped=True, save=str(tmp_path))
+    """A plain (DDP) loop's save_state, loaded after prepare_acco with the same groups: its AdamW moments, step
+    counts and settings (betas and eps the ACCO loop does not give: taken from the checkpoint, as torch's
+    load_state_dict does) carry on, so ``sync`` continues exactly as DDP would. With prepare_acco's own groups (not
+    the optimizer's) every rank refuses it, saying what to pass."""
+    settings = {"betas": (0.8, 0.95), "eps": 1e-6}
+    ddp = run_ranks(loop, backend=None, acco=False, grouped=True, save=str(tmp_path), ddp_extra=settings)
     assert (tmp_path / "optimizer.bin").is_file()
     ours = run_ranks(loop, backend=None, acco=True, schedule="sync", grouped=True, start=STEPS // 2,
                      load=str(tmp_path))  # fmt: skip
@@ -129,6 +132,38 @@ def test_a_plain_accelerate_checkpoint_resumes_under_prepare_acco(tmp_path: Path
     with pytest.raises(RuntimeError, match=r"params=\.\.\., as that optimizer was given them"):
         run_ranks(loop, backend=None, acco=True, schedule="sync", grouped=False, start=STEPS // 2,
                   load=str(tmp_path))  # fmt: skip
+
+
+def compiled_with_a_parameter_listed_twice(rank: int, world_size: int) -> tuple[dict, dict]:
+    """A plain AdamW over groups that list one parameter twice (torch numbers it once), one step; then prepare_acco
+    with those groups on a model Accelerate compiles (its parameters renamed ``_orig_mod.*``), loading that state."""
+    from hf_acco.engine.torch_format import torch_state_from_shards
+
+    model = tiny_llama()
+    groups = lambda m: [{"params": [m.lm_head.weight, m.lm_head.weight], "lr": 3e-3},  # noqa: E731
+                        {"params": [p for p in m.parameters() if p is not m.lm_head.weight]}]  # fmt: skip
+    plain = torch.optim.AdamW(groups(model), lr=1e-2)
+    model(**batch(0, 0)).loss.backward()
+    plain.step()
+    saved = plain.state_dict()
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")
+    fresh = tiny_llama()
+    _, optimizer = prepare_acco(accelerator, fresh, params=groups(fresh), lr=1e-2, schedule="sync")
+    optimizer.checkpoint_dir = "(a plain loop's checkpoint)"  # as accelerator.load_state's hook sets it
+    optimizer.load_state_dict(saved)
+    loaded = torch_state_from_shards([optimizer.optimizer.state_dict()])
+    return saved, loaded
+
+
+def test_a_plain_state_loads_into_a_compiled_model_with_a_parameter_listed_twice() -> None:
+    ((saved, loaded),) = run_ranks(compiled_with_a_parameter_listed_twice, world_size=1, backend=None)
+    assert saved["param_groups"][0]["params"] == [1, 1]  # torch: the same number twice, the next group's from 2
+    numbers = lambda state: list(dict.fromkeys(n for g in state["param_groups"] for n in g["params"]))  # noqa: E731
+    assert len(numbers(saved)) == len(numbers(loaded)) == len(loaded["state"]) == len(saved["state"])
+    for theirs, ours in zip(numbers(saved), numbers(loaded)):  # parameter by parameter, in the groups' order
+        values = saved["state"][theirs]
+        assert all(torch.equal(loaded["state"][ours][k], v) for k, v in values.items() if k != "step")
+        assert float(loaded["state"][ours]["step"]) == float(values["step"])  # (the twice-listed one: 2)
 
 
 def test_fsdp_inside_machines_save_state_and_load_state_resume_exactly(tmp_path: Path) -> None:

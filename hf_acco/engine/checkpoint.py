@@ -105,7 +105,8 @@ def import_torch_state(
 ) -> int:
     """A torch optimizer's ``state_dict()`` over the same parameters and groups into ``optimizer`` (collective):
     ``read()`` gives it and the optimizer steps it has done; each rank keeps its own ranges of the moments, each
-    parameter's step count, the groups' hyper-parameters; the master weights are the model's parameters as they
+    parameter's step count, the groups' hyper-parameters (as torch's ``load_state_dict``: the saved ones, ``betas``
+    and ``eps`` too); the master weights are the model's parameters as they
     are now (the checkpoint's, loaded just before). A failure on any rank (``read`` or the state not this model's or
     optimizer's) raises ``explain(error)`` here and an explanation on every other rank; nothing is loaded.
     Returns the step count loaded."""
@@ -116,8 +117,9 @@ def import_torch_state(
             keys = optimizer_keys(optimizer.shard.inner, optimizer.shard.defaults, optimizer.device)
         except Exception:  # noqa: BLE001
             keys = None
+        settings = {k for g in optimizer.shard.inner.param_groups for k in g}  # the inner optimizer's own (betas)
         state = shard_from_torch_state(
-            optimizer.state_dict(), optimizer.layout, optimizer.comm.rank, saved, steps, keys
+            optimizer.state_dict(), optimizer.layout, optimizer.comm.rank, saved, steps, keys, settings
         )
     except Exception as e:  # noqa: BLE001 - any failure (a damaged file too) on every rank, with what to do
         error = explain(e)

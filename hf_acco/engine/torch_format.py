@@ -19,7 +19,7 @@ with it; a parameter torch never stepped has no state on either side.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -123,10 +123,13 @@ def shard_from_torch_state(
     saved: dict[str, Any],
     step_count: int,
     expected_keys: tuple[set[str], set[str]] | None = None,
+    settings: Collection[str] = (),
 ) -> dict[str, Any]:
     """This rank's shard state (loadable by ``ACCOOptimizer.load_state_dict``) with the optimizer state of a torch
     state dict ``saved`` over the same trainable parameters: its per-element state, each parameter's scalars, its
-    groups' hyper-parameters (the running optimizer's implementation switches kept); the master and the model
+    groups' hyper-parameters, as torch's ``load_state_dict`` takes them (those the engine's groups have, and the
+    ``settings`` its inner optimizer keeps, ``betas`` say, where the engine's groups leave them to its defaults;
+    the running optimizer's implementation switches kept); the master and the model
     from the model as it is (``template``: this engine's ``state_dict()`` at a step boundary, whose ``model`` is
     this rank's pieces of the model's parameters); ``step_count`` optimizer steps done. ``expected_keys``: the
     (per-element, scalar) keys this run's optimizer keeps (``optimizer_keys``); a state with others is refused."""
@@ -169,7 +172,8 @@ def shard_from_torch_state(
             scalars.setdefault(key, torch.as_tensor(value).detach().clone().reshape(()))
     hparams = [dict(hp) for hp in template["hparams"]]
     for g, group in groups.items():
-        hparams[g].update({k: v for k, v in group.items() if k in hparams[g] and k not in _IMPLEMENTATION})
+        known = set(hparams[g]) | set(settings)
+        hparams[g].update({k: v for k, v in group.items() if k in known and k not in _IMPLEMENTATION})
     out = dict(template)
     out.update(
         step_count=step_count,

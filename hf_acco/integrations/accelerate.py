@@ -85,10 +85,23 @@ class ACCOAcceleratedOptimizer(AcceleratedOptimizer):
             self._import(state_dict, directory)
 
     def _import(self, saved: dict[str, Any], directory: str) -> None:
-        kept = [
-            {n for n in g.get("param_names", [])} for g in self.optimizer.param_groups
-        ]  # the engine's groups: the trainable parameters
-        keep = [[n in k for n in names] for names, k in zip(self.numbering, kept)]
+        keep = []  # each numbered parameter the engine kept (trainable; one listed twice: its first place)
+        for names, group in zip(self.numbering, self.optimizer.param_groups):
+            kept, mask = set(group.get("param_names", [])), []
+            for name in names:
+                mask.append(name in kept)
+                kept.discard(name)
+            keep.append(mask)
+        state = saved.get("state") if isinstance(saved, dict) else None  # (a damaged file fails in the import)
+        values = (
+            [v for p in state.values() if isinstance(p, dict) for v in p.values()] if isinstance(state, dict) else []
+        )
+        if any(torch.is_tensor(v) and v.device.type != "cpu" for v in values):
+            logger.warning(
+                "accelerator.load_state put the whole torch optimizer state of %s on every device before ACCO "
+                "keeps each rank's shard of it: for a large model, accelerator.load_state(dir, map_location='cpu')",
+                directory,
+            )
 
         def explain(e: Exception) -> Exception:
             return ValueError(
@@ -150,7 +163,9 @@ def prepare_acco(
     Collective: every rank.
 
     ``accelerator.load_state`` resumes an ACCO checkpoint, and also a plain Accelerate loop's checkpoint (its torch
-    optimizer's state: the moments and step counts carry on) where ``params`` has that optimizer's groups.
+    optimizer's state: the moments, step counts and group settings carry on) where ``params`` has that optimizer's
+    groups; not with FSDP inside machines. It reads the whole state on every rank: for a large model,
+    ``accelerator.load_state(dir, map_location="cpu")``.
 
     Returns ``(model, optimizer)``: the prepared model, and Accelerate's optimizer wrapper around the engine
     (``optimizer.optimizer`` is the [`ACCOOptimizer`]: ``finalize()``, ``committed_parameters()``, ...). Raises
@@ -178,7 +193,7 @@ def prepare_acco(
     else:
         model = accelerator.prepare_model(model, evaluation_mode=True)  # autocast and placement; ACCO averages
     if named_groups is not None:
-        by_name = dict(accelerator.unwrap_model(model).named_parameters())
+        by_name = dict(accelerator.unwrap_model(model, keep_torch_compile=False).named_parameters())
         groups = [{**g, "params": [by_name[n] for n in g["param_names"]]} for g in named_groups]
         if weight_decay is not None:
             acco_kwargs.setdefault("weight_decay", weight_decay)
