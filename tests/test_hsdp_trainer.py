@@ -125,6 +125,30 @@ def test_checkpoint_resume_is_bit_identical_and_save_model_loads_with_from_pretr
     assert all(torch.equal(p, straight[0]["params"][n]) for n, p in final.named_parameters())
 
 
+def test_sharded_state_dict_checkpoints_resume_bit_identically(tmp_path: Path) -> None:
+    """fsdp_state_dict_type SHARDED_STATE_DICT (what a 34B+ run checkpoints with: every rank writes its own part,
+    nothing gathered on rank 0): Accelerate's DCP folder beside the engine's shards, and the resume is exact."""
+    config = {"version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}
+    straight = hsdp(tmp_path / "straight", acco=True, save_steps=5, extra={"fsdp_config": config})
+    checkpoint = tmp_path / "straight" / "checkpoint-5"
+    assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and not (checkpoint / "pytorch_model_fsdp.bin").exists()
+    resumed = hsdp(tmp_path / "resumed", acco=True, resume=checkpoint, extra={"fsdp_config": config})
+    for r in range(4):
+        assert torch.equal(flat(resumed[r]["params"]), flat(straight[r]["params"]))
+    assert losses(resumed[0])[-5:] == losses(straight[0])[-5:]
+    # the export the docs give for such a run: Accelerate merges the DCP folder into model.safetensors
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    merge = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "merge-weights",
+             str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged")]  # fmt: skip
+    assert subprocess.run(merge, capture_output=True, timeout=120).returncode == 0
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in straight[0]["params"].items()}
+
+
 def test_a_checkpoint_resumes_on_another_number_of_machines_not_another_fsdp_sharding(tmp_path: Path) -> None:
     two = hsdp(tmp_path / "two", acco=True, save_steps=5)
     checkpoint = tmp_path / "two" / "checkpoint-5"
