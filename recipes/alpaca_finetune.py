@@ -153,17 +153,23 @@ def build_model_and_tokenizer(args: ScriptArguments, records: list[dict]):
 
 @torch.no_grad()
 def exact_match(trainer: Trainer, tokenizer, records: list[dict], max_new_tokens: int = 16) -> float:
-    """Share of held-out records whose greedy answer equals the reference (each rank its share, then summed)."""
+    """Share of held-out records whose greedy answer equals the reference (each rank its share, then summed). Under
+    FSDP every forward is a collective: the ranks generate in step (``synced_gpus``), as many times each (a rank
+    with a record fewer repeats one, uncounted)."""
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     rank, world = trainer.args.process_index, trainer.args.world_size
+    mine, fsdp = records[rank::world], trainer.is_fsdp_enabled
     hits = total = 0
-    for record in records[rank::world]:
+    for i in range(-(-len(records) // world) if fsdp else len(mine)):
+        record = mine[i] if i < len(mine) else records[0]
         prompt = tokenizer(format_prompt(record), add_special_tokens=False, return_tensors="pt")
         out = model.generate(**prompt.to(trainer.args.device), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             synced_gpus=fsdp)  # fmt: skip
         answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-        hits += normalise(answer) == normalise(record["output"])
-        total += 1
+        if i < len(mine):
+            hits += normalise(answer) == normalise(record["output"])
+            total += 1
     counts = trainer.accelerator.reduce(torch.tensor([hits, total], device=trainer.args.device), reduction="sum")
     return float(counts[0] / counts[1])
 
@@ -245,8 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     # 4. before, train, after
     metrics: dict = {"method": script_args.method, "world_size": training_args.world_size, "trl": script_args.trl}
-    if checkable and fresh_start:
-        metrics["exact_match_before"] = exact_match(trainer, tokenizer, heldout)
+    if checkable and fresh_start and not trainer.is_fsdp_enabled:  # (FSDP: the model is sharded when training starts,
+        metrics["exact_match_before"] = exact_match(trainer, tokenizer, heldout)  # some ranks hold no weights before)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume_target(training_args.resume_from_checkpoint))
     metrics["train_seconds"] = time.perf_counter() - start

@@ -84,8 +84,8 @@ def test_a_bf16_model_keeps_bf16_shards_and_trains_as_without_fsdp(tmp_path: Pat
 
 def test_low_memory_loading_gives_every_rank_rank_0s_weights(tmp_path: Path, hsdp_sync_run: list[dict]) -> None:
     """FSDP's low-memory loading (``cpu_ram_efficient_loading``, as accelerate_configs/hsdp_acco.yaml sets it): only
-    rank 0 holds the weights (the others' are NaN, as from_pretrained leaves them empty there), Accelerate hands each
-    rank its shard of rank 0's: the same run, bit for bit."""
+    rank 0 holds the weights (the others' parameters are on the meta device, as from_pretrained leaves them there),
+    Accelerate hands each rank its shard of rank 0's: the same run, bit for bit."""
     config = {"version": 2, "reshard_after_forward": True, "cpu_ram_efficient_loading": True}
     ours = hsdp(tmp_path, acco=True, weights_on_rank0_only=True,
                 extra={"acco_schedule": "sync", "fsdp_config": config})  # fmt: skip

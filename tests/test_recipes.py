@@ -153,6 +153,32 @@ def test_alpaca_recipe_trains_saves_resumes_and_lambada_scores_its_output(tmp_pa
     assert scores["num_docs"] == 30 and {"lambada_acc", "lambada_ppl"} <= set(scores)
 
 
+@pytest.mark.timeout(260)
+def test_alpaca_recipe_with_fsdp_inside_machines_from_the_config_file(tmp_path: Path) -> None:
+    """accelerate_configs/hsdp_acco.yaml as 2 "machines" x 2 CPU ranks, a bf16 model with ACCO's leanest settings:
+    the recipe trains, evaluates and saves; its exact match after training generates in step on every rank (each
+    forward is a collective under FSDP; 22 held-out records do not split evenly over 4 ranks)."""
+    shim = tmp_path / "shim"  # (test only: Accelerate runs FSDP on GPUs; tests/fsdp_cpu.py lets it on CPU ranks)
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom tests.fsdp_cpu import allow_fsdp_on_cpu\n"
+        "allow_fsdp_on_cpu()\n"
+    )
+    out = tmp_path / "out"
+    overrides = ("--num_machines", "1", "--num_processes", "4", "--machine_rank", "0",
+                 "--main_process_ip", "127.0.0.1", "--parallelism_config_dp_shard_size", "2")  # fmt: skip
+    accelerate_launch(
+        ROOT / "recipes" / "alpaca_finetune.py", "--num_generated", "300", "--heldout", "22", "--max_steps", "4",
+        "--dtype", "bfloat16", "--bf16", "--acco_grad_dtype", "bf16", "--acco_comm_dtype", "int8",
+        "--output_dir", str(out), config="accelerate_configs/hsdp_acco.yaml", launcher_args=overrides,
+        env={"PYTHONPATH": str(shim)}, timeout=200,
+    )  # fmt: skip
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 4 and metrics["steps"] == 4 and "exact_match_after" in metrics
+    assert metrics["heldout_loss"] < metrics["heldout_loss_before"]
+    assert (out / "model.safetensors").is_file()
+
+
 @pytest.mark.timeout(2 * 200 + 60)  # 2 launches, each given 200 s
 def test_alpaca_recipe_ddp_baseline_averages_gradients_like_sync(tmp_path: Path) -> None:
     """The baseline is real DDP: its held-out loss equals our synchronous ZeRO-1's (the same maths). Calling

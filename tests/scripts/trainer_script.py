@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--machines", type=int, default=2, help="with --hsdp: dp_replicate_size")
     parser.add_argument(
         "--weights_on_rank0_only", action="store_true",
-        help="NaN weights on every rank but 0 (as from_pretrained leaves them under FSDP's low-memory loading)",
+        help="no weights (the meta device) on every rank but 0, as from_pretrained leaves them under FSDP's "
+        "low-memory loading",
     )  # fmt: skip
     parser.add_argument("--model_dtype", default="float32", help="the dtype the model is built in (bfloat16)")
     parser.add_argument(
@@ -166,8 +167,10 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     model = model.to(getattr(torch, cli.model_dtype))
     if cli.weights_on_rank0_only and int(os.environ.get("RANK", "0")) != 0:
-        for p in model.parameters():
-            p.data = torch.full_like(p, float("nan"))
+        for module in model.modules():  # parameters on the meta device, as from_pretrained leaves them there
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
     if cli.lora:
         from peft import LoraConfig, get_peft_model
 
