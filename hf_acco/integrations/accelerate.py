@@ -62,7 +62,7 @@ class ACCOAcceleratedOptimizer(AcceleratedOptimizer):
     def __init__(self, optimizer: ACCOOptimizer, accelerator: Accelerator, numbering: list[list[str]]) -> None:
         super().__init__(optimizer, device_placement=False, scaler=accelerator.scaler)
         self.checkpoint_dir: str | None = None
-        # accelerate.backward divides the loss by gradient_accumulation_steps: weigh micro-batches the same way
+        # accelerator.backward divides the loss by gradient_accumulation_steps: weigh micro-batches the same way
         self.micro_batch_weight = 1.0 / accelerator.gradient_accumulation_steps
         self.numbering = numbering  # each group's parameter names as a torch optimizer numbers them, frozen included
 
