@@ -389,16 +389,17 @@ def test_cuda_acco_trainer_trains_saves_and_resumes_bit_identically(tmp_path, sc
     assert resumed["log_history"][-2]["acco_optimizer_steps"] == 12  # (the last entry is the run's summary)
 
 
-def cuda_fsdp_train(rank: int, world_size: int, delay: float) -> list[torch.Tensor]:
+def cuda_fsdp_train(rank: int, world_size: int, delay: float, dtype: str = "float32") -> list[torch.Tensor]:
     """The engine over an FSDP2 model on one GPU (a 1 x 1 mesh, NCCL): FSDP runs the gradient hooks on its own
     reduce-scatter stream, so the accumulation is written there; the main stream waits for it at the end of each
-    backward (``is_last_backward``), before the boundary hands the sums to a round."""
+    backward (``is_last_backward``), before the boundary hands the sums to a round. ``dtype``: the model's (bf16:
+    FSDP's shards in bf16, as ``shard_within_machines`` keeps a bf16 model's; bf16 gradients into fp32 sums)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.backends.cuda.matmul.allow_tf32 = False
     mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
-    model = tiny_llama().cuda()
+    model = tiny_llama().to(getattr(torch, dtype)).cuda()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp_shard"])
     fully_shard(model, mesh=mesh["dp_shard"])
@@ -409,6 +410,21 @@ def cuda_fsdp_train(rank: int, world_size: int, delay: float) -> list[torch.Tens
         out = [p.full_tensor().detach().cpu().clone() for p in model.parameters()]
     opt.close()
     return out
+
+
+def test_cuda_acco_over_a_bf16_fsdp2_model_is_the_same_whatever_the_round_timing() -> None:
+    """bf16 shards (a bf16 model under FSDP inside machines): the same parameters bit for bit whether the rounds are
+    quick or held back, so no stream dependency is missing with bf16 gradients either; and the model trained."""
+    runs = [
+        run_ranks(
+            cuda_fsdp_train, world_size=1, backend="nccl", start_method="spawn", timeout=300, delay=d, dtype="bfloat16"
+        )[0]  # fmt: skip
+        for d in (0.0, 0.05)
+    ]
+    assert all(a.dtype == torch.bfloat16 for a in runs[0])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    start = [p.detach().to(torch.bfloat16) for p in tiny_llama().parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(runs[0], start))
 
 
 def test_cuda_acco_over_an_fsdp2_model_matches_the_reference_whatever_the_round_timing() -> None:
