@@ -228,3 +228,29 @@ def test_a_shard_of_hf_acco_0_1_0_without_trainers_empty_group_loads_into_an_eng
             assert torch.equal(loaded["optim_state"][key], value)
     with pytest.raises(SystemExit):  # to-trainer cannot tell where the empty group was: it says what to do
         checkpoint_cli(["to-trainer", str(tmp_path)])
+
+
+def test_a_full_state_by_name_becomes_the_state_of_this_ranks_pieces() -> None:
+    """Trainer's FSDP optimizer.bin (whole tensors by parameter name) as the numbered state of one FSDP shard's
+    pieces: each per-element tensor cut where torch.chunk puts the shard (uneven and empty chunks too), scalars
+    kept, the groups renumbered in this run's order; other groups refused."""
+    from hf_acco.engine.torch_format import local_state_from_full
+    from hf_acco.integrations.fsdp import chunk_slice
+
+    for size in range(0, 12):
+        for parts in (1, 2, 3, 4, 8):
+            chunks = torch.chunk(torch.arange(size), parts) if size else ()
+            for index in range(parts):
+                got = torch.arange(size)[chunk_slice(size, parts, index)]
+                want = chunks[index] if index < len(chunks) else torch.arange(0)
+                assert torch.equal(got, want), (size, parts, index)
+    whole = {"w": torch.arange(15.0).reshape(5, 3), "b": torch.arange(3.0)}
+    saved = {"state": {n: {"step": torch.tensor(4.0), "exp_avg": t, "exp_avg_sq": t * 2} for n, t in whole.items()},
+             "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.2, "params": ["b"]}]}  # fmt: skip
+    pieces = {"w": (chunk_slice(5, 2, 1), slice(0, 3)), "b": (chunk_slice(3, 4, 3),)}  # rows 3-4; an empty chunk
+    local = local_state_from_full(saved, [["w"], ["b"]], pieces)
+    assert torch.equal(local["state"][0]["exp_avg"], whole["w"][3:5]) and local["state"][1]["exp_avg"].numel() == 0
+    assert float(local["state"][0]["step"]) == 4.0 and [g["params"] for g in local["param_groups"]] == [[0], [1]]
+    assert [g["lr"] for g in local["param_groups"]] == [0.1, 0.2]
+    with pytest.raises(ValueError, match="groups hold other parameters"):
+        local_state_from_full(saved, [["b"], ["w"]], pieces)

@@ -8,6 +8,8 @@ the engine Trainer's two, an empty one too; their sizes are checked, and the nam
 
 * ``shard_from_torch_state``: this rank's shard state from such a state dict (a plain Trainer checkpoint resumed
   under ACCO). Each rank reads only its own ranges of the saved tensors (memory-mapped by ``torch.load``).
+* ``local_state_from_full``: a state dict by parameter name with whole tensors (plain Trainer's FSDP checkpoint)
+  as the numbered state of this rank's FSDP pieces, which ``shard_from_torch_state`` then takes.
 * ``torch_state_from_shards``: torch's state dict from every rank's shard (an ACCO checkpoint resumed by plain
   Trainer), built parameter by parameter from the (memory-mapped) shards; the whole result is in memory at the end
   (torch's format is one file): about two fp32 values per parameter for Adam.
@@ -19,7 +21,7 @@ with it; a parameter torch never stepped has no state on either side.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -224,6 +226,37 @@ def over_kept_parameters(saved: dict[str, Any], keep: Sequence[Sequence[bool]]) 
             | ({} if names is None else {"param_names": [m for m, k in zip(names, kept) if k]})
         )
     return {**saved, "state": renumbered, "param_groups": out_groups}
+
+
+def local_state_from_full(
+    saved: dict[str, Any], groups: Sequence[Sequence[str]], pieces: Mapping[str, tuple[slice, ...]]
+) -> dict[str, Any]:
+    """A torch optimizer state dict keyed by parameter name, with whole tensors (``get_optimizer_state_dict`` with
+    ``full_state_dict``: what Trainer's FSDP checkpoint holds in ``optimizer.bin``), as the numbered state dict of an
+    optimizer over this rank's pieces of those parameters: ``groups`` the parameter names of each of its groups, in
+    its order; ``pieces`` each parameter's index into the whole tensor (its FSDP local shard). Each saved group must
+    hold the same parameters as the group of the same place (ValueError)."""
+    if not isinstance(saved, dict) or not {"state", "param_groups"} <= set(saved):
+        raise ValueError("Not a torch optimizer state dict (it has no 'state' and 'param_groups').")
+    saved_groups = list(saved["param_groups"])
+    sizes, ours = [len(g["params"]) for g in saved_groups], [len(g) for g in groups]
+    if sizes != ours:
+        raise ValueError(
+            f"The optimizer state has parameter groups of {sizes} parameters, this run's optimizer {ours}."
+        )
+    state, out_groups, number = {}, [], 0
+    for names, group in zip(groups, saved_groups):
+        if set(group["params"]) != set(names):
+            missing = sorted(set(names) - set(group["params"]))[:3]
+            raise ValueError(f"The optimizer state's groups hold other parameters than this run's (not {missing}...).")
+        out_groups.append({**group, "params": list(range(number, number + len(names))), "param_names": list(names)})
+        for name in names:
+            if name in saved["state"]:
+                piece = pieces[name]
+                state[number] = {k: v[piece] if torch.is_tensor(v) and v.dim() == len(piece) > 0 else v
+                                 for k, v in saved["state"][name].items()}  # fmt: skip
+            number += 1
+    return {"state": state, "param_groups": out_groups}
 
 
 def torch_state_from_shards(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:

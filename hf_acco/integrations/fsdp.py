@@ -111,6 +111,32 @@ def shard_within_machines(accelerator: Any, model: torch.nn.Module) -> torch.nn.
     return fsdp2_prepare_model(_OneMachineView(accelerator, keep_dtype=len(dtypes) == 1), model)
 
 
+def chunk_slice(size: int, parts: int, index: int) -> slice:
+    """Where chunk ``index`` of ``torch.chunk(tensor, parts)`` lies along a dimension of ``size`` (FSDP2's and
+    DTensor's ``Shard``: chunks of ``ceil(size / parts)``, the last ones shorter or empty)."""
+    chunk = -(-size // parts)
+    start = min(index * chunk, size)
+    return slice(start, start + max(0, min(chunk, size - start)))
+
+
+def local_piece(param: Any) -> tuple[slice, ...]:
+    """Where ``param``'s local shard (an FSDP2 DTensor's, sharded along one dimension over its mesh, as torch.chunk
+    splits it) lies in the whole parameter; the whole of a plain tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    whole = tuple(slice(0, n) for n in param.shape)
+    if not isinstance(param, DTensor):
+        return whole
+    (placement,) = param.placements
+    if not isinstance(placement, Shard):
+        return whole
+    dim = placement.dim
+    piece = chunk_slice(param.shape[dim], param.device_mesh.size(), param.device_mesh.get_local_rank())
+    if piece.stop - piece.start != param.to_local().shape[dim]:
+        raise ValueError(f"FSDP's local shard of a parameter of shape {tuple(param.shape)} is not torch.chunk's")
+    return whole[:dim] + (piece,) + whole[dim + 1 :]
+
+
 def check_args(args: Any) -> None:
     """What the training arguments ask for that this mode cannot honour (``args``: Trainer's)."""
     if getattr(args, "save_on_each_node", False):

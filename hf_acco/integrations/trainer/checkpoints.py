@@ -28,7 +28,8 @@ from hf_acco.engine.checkpoint import (
     save_optimizer_state,
     shard_files,
 )
-from hf_acco.engine.torch_format import FROM_SHARDS, scheduler_with_empty_groups
+from hf_acco.engine.torch_format import FROM_SHARDS, local_state_from_full, scheduler_with_empty_groups
+from hf_acco.integrations import fsdp
 from hf_acco.integrations.trainer.engine import engine_of
 
 if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
@@ -41,19 +42,36 @@ DATA_STATE_NAME = "acco_data_state.json"  # paced accumulation: the position in 
 TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
 OPTIMIZER_NAME = "optimizer.pt"  # plain Trainer's optimizer state (transformers.trainer.OPTIMIZER_NAME)
+FSDP_OPTIMIZER_NAME = "optimizer.bin"  # ... under FSDP with FULL_STATE_DICT (Accelerate's save_fsdp_optimizer)
+
+
+def trainer_checkpoint_kind(path: str) -> str | None:
+    """``"ddp"`` for a checkpoint of plain Trainer (DDP or one process: ``optimizer.pt``, the whole optimizer state),
+    ``"fsdp"`` for one of plain Trainer with FSDP (``optimizer.bin``: the whole state by parameter name; Trainer's
+    ``FULL_STATE_DICT``), when no ACCO shards are there; else None. ACCOTrainer resumes both (``import_trainer_*``)."""
+    if shard_files(path) or _part_folders(Path(path)):
+        return None
+    for kind, name in (("ddp", OPTIMIZER_NAME), ("fsdp", FSDP_OPTIMIZER_NAME)):
+        if os.path.isfile(os.path.join(path, name)):
+            return kind
+    return None
 
 
 def is_trainer_checkpoint(path: str) -> bool:
-    """A checkpoint of plain Trainer (DDP or one process): its ``optimizer.pt`` holds the whole optimizer state, and
-    no ACCO shards are there. ACCOTrainer resumes it too (``import_trainer_optimizer``)."""
-    has_optimizer = os.path.isfile(os.path.join(path, OPTIMIZER_NAME))
-    return has_optimizer and not shard_files(path) and not _part_folders(Path(path))
+    """A checkpoint of plain Trainer, DDP's or FSDP's (``trainer_checkpoint_kind``)."""
+    return trainer_checkpoint_kind(path) is not None
 
 
 def stale_files(path: str) -> str | None:
     """Why ``path`` holds two optimizer states that disagree, or None: ACCO shards beside an ``optimizer.pt`` that
     was not made from them (``to-trainer`` marks the one it makes). Two runs saved the same step there (a plain
     Trainer run rewrote an ACCO checkpoint): which state goes with the model files cannot be told."""
+    if _part_folders(Path(path)) and os.path.isfile(os.path.join(path, FSDP_OPTIMIZER_NAME)):
+        return (
+            f"it holds ACCO's optimizer shards (fsdp_shard*_of_* folders) and a plain Trainer {FSDP_OPTIMIZER_NAME} "
+            "(a plain Trainer FSDP run and an ACCO run saved this step into one directory): delete the stale one "
+            f"({FSDP_OPTIMIZER_NAME}, or the fsdp_shard*_of_* folders) and resume"
+        )
     optimizer_file = os.path.join(path, OPTIMIZER_NAME)
     found = shard_files(path)
     if not (found and os.path.isfile(optimizer_file)):
@@ -205,15 +223,17 @@ def save_fsdp_model_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
 
 def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
     acco = engine_of(trainer)
-    plain = every_rank(is_trainer_checkpoint(checkpoint))  # the same path on every rank (collectives follow)
+    plain = every_rank(trainer_checkpoint_kind(checkpoint))  # the same path on every rank (collectives follow)
     if len(set(plain)) > 1:
         raise ValueError(
             f"The ranks see different files in {checkpoint}: a plain Trainer optimizer.pt without ACCO shards on "
             f"ranks {[r for r, p in enumerate(plain) if p]}, ACCO shards on the others. Resume from a checkpoint "
             "every node holds alike."
         )
-    if plain[0]:
+    if plain[0] == "ddp":
         import_trainer_optimizer(trainer, checkpoint)
+    elif plain[0] == "fsdp":
+        import_trainer_fsdp_optimizer(trainer, checkpoint)
     else:
         load_optimizer_state(acco, checkpoint)  # collective; re-shards if the world size changed
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
@@ -225,13 +245,13 @@ def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
 
 def clear_for_rewrite(trainer: ACCOTrainerMixin, trial: Any) -> None:
     """Before a checkpoint is written: where this step was saved before (a run resumed from an earlier step, or a
-    plain Trainer run into the same output_dir), its ``trainer_state.json`` and a plain Trainer ``optimizer.pt`` go
+    plain Trainer run into the same output_dir), its ``trainer_state.json`` and a plain Trainer optimizer state go
     first. The checkpoint is then incomplete until the new trainer state is written (after every rank's files), and
     no optimizer state of the other run stays beside the new model files."""
     if not trainer.args.should_save:
         return
     folder = os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-    for name in (TRAINER_STATE_NAME, OPTIMIZER_NAME):
+    for name in (TRAINER_STATE_NAME, OPTIMIZER_NAME, FSDP_OPTIMIZER_NAME):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, name))
 
@@ -255,6 +275,32 @@ def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None
 
     steps = import_torch_state(engine_of(trainer), read, explain)
     logger.info("Resumed plain Trainer's optimizer state from %s (%d steps)", checkpoint, steps)
+
+
+def import_trainer_fsdp_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
+    """Plain Trainer's FSDP ``optimizer.bin`` (the whole optimizer state by parameter name) into the engine over FSDP
+    inside machines (collective): each rank takes its FSDP shard's piece of each tensor, as FSDP2 shards the
+    parameter (its DTensor's placement on the machine's mesh), then its own ranges of that, memory-mapped; the
+    master weights are the model Trainer has just loaded from the FSDP model files. A bad file raises on every rank."""
+    acco = engine_of(trainer)
+
+    def read() -> tuple[dict[str, Any], int]:
+        whole = torch.load(os.path.join(checkpoint, FSDP_OPTIMIZER_NAME), map_location="cpu", weights_only=True,
+                           mmap=True)  # fmt: skip
+        with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
+            step = int(json.load(f)["global_step"])
+        groups = [list(g["param_names"]) for g in acco.param_groups]
+        owners = {n: p for g in acco.param_groups for n, p in zip(g["param_names"], g["params"])}
+        return local_state_from_full(whole, groups, {n: fsdp.local_piece(p) for n, p in owners.items()}), step
+
+    def explain(e: Exception) -> Exception:
+        return ValueError(
+            f"Could not resume the plain Trainer FSDP checkpoint {checkpoint} under ACCOTrainer: {e} Resume it with "
+            "plain Trainer, or start from its model files without the optimizer state."
+        )
+
+    steps = import_torch_state(acco, read, explain)
+    logger.info("Resumed plain Trainer's FSDP optimizer state from %s (%d steps)", checkpoint, steps)
 
 
 def ranks_meet_before_trainer_state() -> None:

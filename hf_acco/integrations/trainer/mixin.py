@@ -108,10 +108,19 @@ class ACCOTrainerMixin(_TrainerBase):
         if isinstance(resume_from_checkpoint, str):  # before Trainer reads its model files (FSDP's or not)
             layout = fsdp.hsdp_layout(self.accelerator)
             mismatch = fsdp_sharding_mismatch(resume_from_checkpoint, layout[1] if layout else None)
-            if mismatch and checkpoints.is_trainer_checkpoint(resume_from_checkpoint):
+            kind = checkpoints.trainer_checkpoint_kind(resume_from_checkpoint)  # plain Trainer's: DDP's or FSDP's
+            if kind == "ddp" and mismatch:
                 mismatch = (
                     f"{resume_from_checkpoint} is a plain Trainer checkpoint: ACCOTrainer resumes those without FSDP "
                     "inside machines only. Start from its model files (from_pretrained) without the optimizer state."
+                )
+            elif kind == "fsdp" and layout:  # the whole model's optimizer state: each FSDP shard takes its piece
+                mismatch = None
+            elif kind == "fsdp":
+                mismatch = (
+                    f"{resume_from_checkpoint} is a plain Trainer FSDP checkpoint: ACCOTrainer resumes it with FSDP "
+                    "inside machines only (fsdp_config version 2, a parallelism_config of machines x GPUs). Start "
+                    "from its model files without the optimizer state."
                 )
             if mismatch:
                 raise ValueError(mismatch)
