@@ -153,7 +153,8 @@ def test_a_plain_trainer_hsdp_checkpoint_resumes_under_acco_trainer_with_its_opt
     """Trainer's HSDP checkpoint-5 (FULL_STATE_DICT: optimizer.bin, the whole optimizer state by parameter name),
     resumed by ACCOTrainer with FSDP inside machines: each rank takes its FSDP shard's piece of Adam's moments, so
     ``sync`` goes on as Trainer's HSDP does (measured without the moments: parameters 3.6 % apart). Without FSDP
-    inside machines it is refused; a step both trainers saved into one directory is refused too."""
+    inside machines it is refused; a step both trainers saved into one directory is refused too, and so is a plain
+    SHARDED_STATE_DICT checkpoint (its optimizer state is a DCP folder), with what to do."""
     plain = hsdp(tmp_path / "plain", acco=False, save_steps=5)
     checkpoint = tmp_path / "plain" / "checkpoint-5"
     assert (checkpoint / "optimizer.bin").is_file() and not (checkpoint / "fsdp_shard0_of_2").exists()
@@ -166,6 +167,11 @@ def test_a_plain_trainer_hsdp_checkpoint_resumes_under_acco_trainer_with_its_opt
     (checkpoint / "fsdp_shard0_of_2").mkdir()  # as if an ACCO run had saved this step here as well
     with pytest.raises(RuntimeError, match="a plain Trainer optimizer.bin .a plain Trainer FSDP run and an ACCO run"):
         hsdp(tmp_path / "both", acco=True, resume=checkpoint)
+    config = {"version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}
+    hsdp(tmp_path / "sharded", acco=False, save_steps=2, max_steps=2, extra={"fsdp_config": config})
+    assert (tmp_path / "sharded" / "checkpoint-2" / "optimizer_0").is_dir()
+    with pytest.raises(RuntimeError, match=r"with SHARDED_STATE_DICT: its optimizer state \(optimizer_0\) is not"):
+        hsdp(tmp_path / "from_sharded", acco=True, resume=tmp_path / "sharded" / "checkpoint-2")
 
 
 def test_a_checkpoint_resumes_on_another_number_of_machines_not_another_fsdp_sharding(tmp_path: Path) -> None:

@@ -233,7 +233,7 @@ def test_a_shard_of_hf_acco_0_1_0_without_trainers_empty_group_loads_into_an_eng
 def test_a_full_state_by_name_becomes_the_state_of_this_ranks_pieces() -> None:
     """Trainer's FSDP optimizer.bin (whole tensors by parameter name) as the numbered state of one FSDP shard's
     pieces: each per-element tensor cut where torch.chunk puts the shard (uneven and empty chunks too), scalars
-    kept, the groups renumbered in this run's order; other groups refused."""
+    kept, the groups renumbered in this run's order; other groups and another whole shape refused."""
     from hf_acco.engine.torch_format import local_state_from_full
     from hf_acco.integrations.fsdp import chunk_slice
 
@@ -248,9 +248,23 @@ def test_a_full_state_by_name_becomes_the_state_of_this_ranks_pieces() -> None:
     saved = {"state": {n: {"step": torch.tensor(4.0), "exp_avg": t, "exp_avg_sq": t * 2} for n, t in whole.items()},
              "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.2, "params": ["b"]}]}  # fmt: skip
     pieces = {"w": (chunk_slice(5, 2, 1), slice(0, 3)), "b": (chunk_slice(3, 4, 3),)}  # rows 3-4; an empty chunk
-    local = local_state_from_full(saved, [["w"], ["b"]], pieces)
+    shapes = {"w": (5, 3), "b": (3,)}
+    local = local_state_from_full(saved, [["w"], ["b"]], pieces, shapes)
     assert torch.equal(local["state"][0]["exp_avg"], whole["w"][3:5]) and local["state"][1]["exp_avg"].numel() == 0
     assert float(local["state"][0]["step"]) == 4.0 and [g["params"] for g in local["param_groups"]] == [[0], [1]]
     assert [g["lr"] for g in local["param_groups"]] == [0.1, 0.2]
     with pytest.raises(ValueError, match="groups hold other parameters"):
-        local_state_from_full(saved, [["b"], ["w"]], pieces)
+        local_state_from_full(saved, [["b"], ["w"]], pieces, shapes)
+    with pytest.raises(ValueError, match=r"of shape \(5, 3\), the parameter is \(6, 3\)"):
+        local_state_from_full(saved, [["w"], ["b"]], pieces, {**shapes, "w": (6, 3)})
+
+
+def test_an_empty_fsdp_piece_still_has_its_per_element_state() -> None:
+    """A rank whose FSDP pieces are all empty (a parameter smaller than the machine's ranks) still tells Adam's
+    per-element keys from its scalars, as the other ranks do (they must agree, or the import is refused there only)."""
+    from hf_acco.comm.sharding import FlatLayout
+    from hf_acco.engine.torch_format import _split_keys
+
+    layout = FlatLayout([torch.empty(0, 3)], ["head"], [0], 1)
+    state = {0: {"step": torch.tensor(2.0), "exp_avg": torch.empty(0, 3), "exp_avg_sq": torch.empty(0, 3)}}
+    assert _split_keys(layout, state, {0: 0}) == ({"exp_avg", "exp_avg_sq"}, {"step"})

@@ -88,7 +88,7 @@ def _split_keys(layout: FlatLayout, state: dict[int, dict[str, Any]], numbering:
         for key, value in values.items():
             if not torch.is_tensor(value):
                 continue
-            if tuple(value.shape) == shape and math.prod(shape) > 1:
+            if tuple(value.shape) == shape and math.prod(shape) != 1:  # (an empty FSDP piece too)
                 element.add(key)
             elif value.numel() == 1:
                 scalar.add(key)
@@ -229,13 +229,17 @@ def over_kept_parameters(saved: dict[str, Any], keep: Sequence[Sequence[bool]]) 
 
 
 def local_state_from_full(
-    saved: dict[str, Any], groups: Sequence[Sequence[str]], pieces: Mapping[str, tuple[slice, ...]]
+    saved: dict[str, Any],
+    groups: Sequence[Sequence[str]],
+    pieces: Mapping[str, tuple[slice, ...]],
+    shapes: Mapping[str, Sequence[int]],
 ) -> dict[str, Any]:
     """A torch optimizer state dict keyed by parameter name, with whole tensors (``get_optimizer_state_dict`` with
     ``full_state_dict``: what Trainer's FSDP checkpoint holds in ``optimizer.bin``), as the numbered state dict of an
     optimizer over this rank's pieces of those parameters: ``groups`` the parameter names of each of its groups, in
-    its order; ``pieces`` each parameter's index into the whole tensor (its FSDP local shard). Each saved group must
-    hold the same parameters as the group of the same place (ValueError)."""
+    its order; ``pieces`` each parameter's index into the whole tensor (its FSDP local shard), ``shapes`` its whole
+    shape. Each saved group must hold the same parameters as the group of the same place, each per-element tensor
+    the parameter's whole shape (ValueError)."""
     if not isinstance(saved, dict) or not {"state", "param_groups"} <= set(saved):
         raise ValueError("Not a torch optimizer state dict (it has no 'state' and 'param_groups').")
     saved_groups = list(saved["param_groups"])
@@ -252,9 +256,16 @@ def local_state_from_full(
         out_groups.append({**group, "params": list(range(number, number + len(names))), "param_names": list(names)})
         for name in names:
             if name in saved["state"]:
-                piece = pieces[name]
-                state[number] = {k: v[piece] if torch.is_tensor(v) and v.dim() == len(piece) > 0 else v
-                                 for k, v in saved["state"][name].items()}  # fmt: skip
+                values, whole = saved["state"][name], tuple(shapes[name])
+                wrong = [k for k, v in values.items() if torch.is_tensor(v) and v.dim() and tuple(v.shape) != whole]
+                if wrong:
+                    raise ValueError(
+                        f"The optimizer state of {name} has {wrong[0]!r} of shape {tuple(values[wrong[0]].shape)}, "
+                        f"the parameter is {whole}: it was written for another model."
+                    )
+                state[number] = {
+                    k: v[pieces[name]] if torch.is_tensor(v) and v.dim() else v for k, v in values.items()
+                }
             number += 1
     return {"state": state, "param_groups": out_groups}
 

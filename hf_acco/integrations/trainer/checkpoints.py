@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,16 +44,22 @@ TRAINER_STATE_NAME = "trainer_state.json"
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # transformers' JIT checkpoint marks a checkpoint in progress
 OPTIMIZER_NAME = "optimizer.pt"  # plain Trainer's optimizer state (transformers.trainer.OPTIMIZER_NAME)
 FSDP_OPTIMIZER_NAME = "optimizer.bin"  # ... under FSDP with FULL_STATE_DICT (Accelerate's save_fsdp_optimizer)
+FSDP_SHARDED_OPTIMIZER = "optimizer_0"  # ... with SHARDED_STATE_DICT: a DCP folder (not imported)
 
 
 def trainer_checkpoint_kind(path: str) -> str | None:
     """``"ddp"`` for a checkpoint of plain Trainer (DDP or one process: ``optimizer.pt``, the whole optimizer state),
     ``"fsdp"`` for one of plain Trainer with FSDP (``optimizer.bin``: the whole state by parameter name; Trainer's
-    ``FULL_STATE_DICT``), when no ACCO shards are there; else None. ACCOTrainer resumes both (``import_trainer_*``)."""
+    ``FULL_STATE_DICT``), ``"fsdp_sharded"`` with ``SHARDED_STATE_DICT`` (an ``optimizer_0`` folder), when no ACCO
+    shards are there; else None. ACCOTrainer resumes the first two (``import_trainer_*``)."""
     if shard_files(path) or _part_folders(Path(path)):
         return None
-    for kind, name in (("ddp", OPTIMIZER_NAME), ("fsdp", FSDP_OPTIMIZER_NAME)):
-        if os.path.isfile(os.path.join(path, name)):
+    for kind, name in (
+        ("ddp", OPTIMIZER_NAME),
+        ("fsdp", FSDP_OPTIMIZER_NAME),
+        ("fsdp_sharded", FSDP_SHARDED_OPTIMIZER),
+    ):
+        if os.path.exists(os.path.join(path, name)):
             return kind
     return None
 
@@ -66,11 +73,13 @@ def stale_files(path: str) -> str | None:
     """Why ``path`` holds two optimizer states that disagree, or None: ACCO shards beside an ``optimizer.pt`` that
     was not made from them (``to-trainer`` marks the one it makes). Two runs saved the same step there (a plain
     Trainer run rewrote an ACCO checkpoint): which state goes with the model files cannot be told."""
-    if _part_folders(Path(path)) and os.path.isfile(os.path.join(path, FSDP_OPTIMIZER_NAME)):
+    fsdp_file = os.path.join(path, FSDP_OPTIMIZER_NAME)
+    if (_part_folders(Path(path)) or shard_files(path)) and os.path.isfile(fsdp_file) and not _ours(fsdp_file):
         return (
-            f"it holds ACCO's optimizer shards (fsdp_shard*_of_* folders) and a plain Trainer {FSDP_OPTIMIZER_NAME} "
-            "(a plain Trainer FSDP run and an ACCO run saved this step into one directory): delete the stale one "
-            f"({FSDP_OPTIMIZER_NAME}, or the fsdp_shard*_of_* folders) and resume"
+            f"it holds ACCO's optimizer shards and a plain Trainer {FSDP_OPTIMIZER_NAME} (a plain Trainer FSDP run "
+            "and an ACCO run saved this step into one directory): delete the stale one "
+            f"({FSDP_OPTIMIZER_NAME}, or the acco_optimizer_rank*_of_*.pt files and fsdp_shard*_of_* folders) and "
+            "resume"
         )
     optimizer_file = os.path.join(path, OPTIMIZER_NAME)
     found = shard_files(path)
@@ -90,6 +99,15 @@ def stale_files(path: str) -> str | None:
         f"and an ACCO run saved this step into one directory): delete the stale one ({OPTIMIZER_NAME}, or the "
         "acco_optimizer_rank*_of_*.pt files) and resume"
     )
+
+
+def _ours(optimizer_file: str) -> bool:
+    """Whether an ``optimizer.bin`` is the placeholder ``prepare_acco``'s Accelerate ``save_state`` writes."""
+    try:
+        saved = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: not ours
+        return False
+    return isinstance(saved, dict) and "hf_acco" in saved
 
 
 def checkpoint_incomplete(path: str, world_size: int | None = None, ranks: list[int] | None = None) -> str | None:
@@ -226,7 +244,7 @@ def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
     plain = every_rank(trainer_checkpoint_kind(checkpoint))  # the same path on every rank (collectives follow)
     if len(set(plain)) > 1:
         raise ValueError(
-            f"The ranks see different files in {checkpoint}: a plain Trainer optimizer.pt without ACCO shards on "
+            f"The ranks see different files in {checkpoint}: a plain Trainer optimizer state without ACCO shards on "
             f"ranks {[r for r, p in enumerate(plain) if p]}, ACCO shards on the others. Resume from a checkpoint "
             "every node holds alike."
         )
@@ -254,6 +272,7 @@ def clear_for_rewrite(trainer: ACCOTrainerMixin, trial: Any) -> None:
     for name in (TRAINER_STATE_NAME, OPTIMIZER_NAME, FSDP_OPTIMIZER_NAME):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, name))
+    shutil.rmtree(os.path.join(folder, FSDP_SHARDED_OPTIMIZER), ignore_errors=True)  # (never ACCOTrainer's)
 
 
 def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
@@ -291,7 +310,8 @@ def import_trainer_fsdp_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) ->
             step = int(json.load(f)["global_step"])
         groups = [list(g["param_names"]) for g in acco.param_groups]
         owners = {n: p for g in acco.param_groups for n, p in zip(g["param_names"], g["params"])}
-        return local_state_from_full(whole, groups, {n: fsdp.local_piece(p) for n, p in owners.items()}), step
+        pieces = {n: fsdp.local_piece(p) for n, p in owners.items()}
+        return local_state_from_full(whole, groups, pieces, {n: p.shape for n, p in owners.items()}), step
 
     def explain(e: Exception) -> Exception:
         return ValueError(
@@ -299,7 +319,17 @@ def import_trainer_fsdp_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) ->
             "plain Trainer, or start from its model files without the optimizer state."
         )
 
-    steps = import_torch_state(acco, read, explain)
+    def agree(error: Exception | None) -> None:  # every rank: a machine's ranks go on together in FSDP's collectives
+        reasons = every_rank(None if error is None else str(error))
+        if error is not None:
+            raise error
+        failed = [r for r, reason in enumerate(reasons) if reason is not None]
+        if failed:
+            raise RuntimeError(
+                f"Rank {failed[0]} could not resume {checkpoint} ({reasons[failed[0]]}); nothing loaded."
+            )
+
+    steps = import_torch_state(acco, read, explain, agree)
     logger.info("Resumed plain Trainer's FSDP optimizer state from %s (%d steps)", checkpoint, steps)
 
 

@@ -116,6 +116,12 @@ class ACCOTrainerMixin(_TrainerBase):
                 )
             elif kind == "fsdp" and layout:  # the whole model's optimizer state: each FSDP shard takes its piece
                 mismatch = None
+            elif kind == "fsdp_sharded":
+                mismatch = (
+                    f"{resume_from_checkpoint} is a plain Trainer FSDP checkpoint with SHARDED_STATE_DICT: its "
+                    "optimizer state (optimizer_0) is not imported. Resume it with plain Trainer, or start from its "
+                    "model files without the optimizer state (accelerate merge-weights makes them one file)."
+                )
             elif kind == "fsdp":
                 mismatch = (
                     f"{resume_from_checkpoint} is a plain Trainer FSDP checkpoint: ACCOTrainer resumes it with FSDP "
