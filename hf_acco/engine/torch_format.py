@@ -197,20 +197,28 @@ def steps_taken(saved: dict[str, Any]) -> int:
     return int(max(steps, default=0))
 
 
+def _checked_groups(saved: Any, sizes: Sequence[int], why: str = "") -> list[dict[str, Any]]:
+    """The parameter groups of a torch optimizer state dict whose groups hold ``sizes`` parameters; else a
+    ValueError that says what differs (``why``: what that means, appended)."""
+    if not isinstance(saved, dict) or not {"state", "param_groups"} <= set(saved):
+        raise ValueError("Not a torch optimizer state dict (it has no 'state' and 'param_groups').")
+    groups = list(saved["param_groups"])
+    theirs = [len(g["params"]) for g in groups]
+    if theirs != list(sizes):
+        ours = list(sizes)
+        raise ValueError(
+            f"The optimizer state has parameter groups of {theirs} parameters, this run's optimizer {ours}{why}."
+        )
+    return groups
+
+
 def over_kept_parameters(saved: dict[str, Any], keep: Sequence[Sequence[bool]]) -> dict[str, Any]:
     """The state dict of a torch optimizer over only the kept parameters of its groups, renumbered as torch numbers
     them: ``keep[g][k]`` says whether parameter ``k`` of group ``g`` is kept (the engine leaves frozen ones out of
     its groups; torch's optimizer numbers them and keeps no state for them while they have no gradient). Raises a
     ValueError when the groups' sizes are not ``keep``'s."""
-    if not isinstance(saved, dict) or not {"state", "param_groups"} <= set(saved):
-        raise ValueError("Not a torch optimizer state dict (it has no 'state' and 'param_groups').")
-    groups = list(saved["param_groups"])
-    sizes, ours = [len(g["params"]) for g in groups], [len(k) for k in keep]
-    if sizes != ours:
-        raise ValueError(
-            f"The optimizer state has parameter groups of {sizes} parameters, this run's optimizer {ours} (frozen "
-            "ones included): it was written with other parameter groups or for another model."
-        )
+    why = " (frozen ones included): it was written with other parameter groups or for another model"
+    groups = _checked_groups(saved, [len(k) for k in keep], why)
     state, numbers, out_groups = saved["state"], iter(range(sum(map(sum, keep)))), []
     renumbered: dict[int, Any] = {}
     for group, kept in zip(groups, keep):
@@ -240,14 +248,7 @@ def local_state_from_full(
     its order; ``pieces`` each parameter's index into the whole tensor (its FSDP local shard), ``shapes`` its whole
     shape. Each saved group must hold the same parameters as the group of the same place, each per-element tensor
     the parameter's whole shape (ValueError)."""
-    if not isinstance(saved, dict) or not {"state", "param_groups"} <= set(saved):
-        raise ValueError("Not a torch optimizer state dict (it has no 'state' and 'param_groups').")
-    saved_groups = list(saved["param_groups"])
-    sizes, ours = [len(g["params"]) for g in saved_groups], [len(g) for g in groups]
-    if sizes != ours:
-        raise ValueError(
-            f"The optimizer state has parameter groups of {sizes} parameters, this run's optimizer {ours}."
-        )
+    saved_groups = _checked_groups(saved, [len(g) for g in groups])
     state, out_groups, number = {}, [], 0
     for names, group in zip(groups, saved_groups):
         if set(group["params"]) != set(names):
