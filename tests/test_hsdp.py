@@ -202,3 +202,22 @@ def _replaced(rank: int, world_size: int) -> str:
 def test_local_shards_replaced_after_the_engine_was_built_are_refused() -> None:
     for message in run_ranks(_replaced, world_size=MACHINES * PER_MACHINE, timeout=120):
         assert "FSDP replaced the local shard of" in message and "build the optimizer after them" in message
+
+
+def _one_shard_fails(rank: int, world_size: int) -> str:
+    _, opt = _sharded()
+    try:  # rank 1 (FSDP shard 1 of machine 0) alone cannot load: its part's engine group is ranks 1 and 3
+        opt.raise_if_any_rank_failed(ValueError("this rank's shard is bad") if rank == 1 else None)
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    finally:
+        opt.close()
+    return "loaded"
+
+
+def test_a_load_that_fails_on_one_fsdp_shard_fails_on_every_rank() -> None:
+    """The ranks of a machine go on together into FSDP's collectives: a failure in one FSDP shard's engine group
+    (its part of the world) raises in the other parts too, not only in its own group, so none is left waiting."""
+    messages = run_ranks(_one_shard_fails, world_size=MACHINES * PER_MACHINE, timeout=120)
+    assert messages[1] == "this rank's shard is bad"
+    assert all("Another rank could not load" in m for r, m in enumerate(messages) if r != 1), messages

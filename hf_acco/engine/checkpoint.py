@@ -102,15 +102,13 @@ def import_torch_state(
     optimizer: ACCOOptimizer,
     read: Callable[[], tuple[dict[str, Any], int]],
     explain: Callable[[Exception], Exception],
-    agree: Callable[[Exception | None], None] | None = None,
 ) -> int:
     """A torch optimizer's ``state_dict()`` over the same parameters and groups into ``optimizer`` (collective):
     ``read()`` gives it and the optimizer steps it has done; each rank keeps its own ranges of the moments, each
     parameter's step count, the groups' hyper-parameters (as torch's ``load_state_dict``: the saved ones, ``betas``
     and ``eps`` too); the master weights are the model's parameters as they
     are now (the checkpoint's, loaded just before). A failure on any rank (``read`` or the state not this model's or
-    optimizer's) raises ``explain(error)`` here and an explanation on every other rank (``agree``: over a wider
-    group than the engine's, e.g. the whole world where FSDP ties a machine's ranks); nothing is loaded.
+    optimizer's) raises ``explain(error)`` here and an explanation on every other rank; nothing is loaded.
     Returns the step count loaded."""
     error, state = None, None
     try:
@@ -125,7 +123,7 @@ def import_torch_state(
         )
     except Exception as e:  # noqa: BLE001 - any failure (a damaged file too) on every rank, with what to do
         error = explain(e)
-    (agree or optimizer.raise_if_any_rank_failed)(error)
+    optimizer.raise_if_any_rank_failed(error)
     assert state is not None  # (raised above otherwise)
     optimizer.load_state_dict(state)
     return int(state["step_count"])

@@ -319,17 +319,7 @@ def import_trainer_fsdp_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) ->
             "plain Trainer, or start from its model files without the optimizer state."
         )
 
-    def agree(error: Exception | None) -> None:  # every rank: a machine's ranks go on together in FSDP's collectives
-        reasons = every_rank(None if error is None else str(error))
-        if error is not None:
-            raise error
-        failed = [r for r, reason in enumerate(reasons) if reason is not None]
-        if failed:
-            raise RuntimeError(
-                f"Rank {failed[0]} could not resume {checkpoint} ({reasons[failed[0]]}); nothing loaded."
-            )
-
-    steps = import_torch_state(acco, read, explain, agree)
+    steps = import_torch_state(acco, read, explain)
     logger.info("Resumed plain Trainer's FSDP optimizer state from %s (%d steps)", checkpoint, steps)
 
 
