@@ -289,14 +289,10 @@ class Communicator:
 
     def raise_if_any_failed(self, error: Exception | None, device: torch.device, elsewhere: str) -> None:
         """Collective: raise ``error`` here, and ``RuntimeError(elsewhere)`` on every other rank, if any rank has
-        one (so that no rank goes on into a collective the failed one never reaches). Where this rank's group is
-        one part of the world (HSDP: the ranks of a machine are tied by FSDP's collectives), every rank of the
-        world agrees."""
+        one (so that no rank goes on into a collective the failed one never reaches). Where the group is one part
+        of the world (HSDP: a machine's ranks are tied by FSDP's collectives), the whole world agrees."""
         failed = torch.tensor([0.0 if error is None else 1.0], device=device)
-        if self._parts is not None:
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        else:
-            self.all_reduce(failed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=None if self._parts is not None else self.group)
         if error is not None:
             raise error
         if failed.item():
