@@ -389,10 +389,13 @@ def test_cuda_acco_trainer_trains_saves_and_resumes_bit_identically(tmp_path, sc
     assert resumed["log_history"][-2]["acco_optimizer_steps"] == 12  # (the last entry is the run's summary)
 
 
-def cuda_fsdp_train(rank: int, world_size: int, delay: float, dtype: str = "float32") -> list[torch.Tensor]:
+def cuda_fsdp_train(
+    rank: int, world_size: int, delay: float, dtype: str = "float32", last_backward: bool = True
+) -> list[torch.Tensor]:
     """The engine over an FSDP2 model on one GPU (a 1 x 1 mesh, NCCL): FSDP runs the gradient hooks on its own
-    reduce-scatter stream, so the accumulation is written there; the main stream waits for it at the end of each
-    backward (``is_last_backward``), before the boundary hands the sums to a round. ``dtype``: the model's (bf16:
+    reduce-scatter stream, so the accumulation is written there; the main stream waits for that stream before the
+    boundary hands the sums to a round (``handover.HookStreams``), whether or not FSDP's own end-of-backward wait
+    runs (``last_backward=False``: ``set_is_last_backward(False)``, which skips it). ``dtype``: the model's (bf16:
     FSDP's shards in bf16, as ``shard_within_machines`` keeps a bf16 model's; bf16 gradients into fp32 sums)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -403,6 +406,7 @@ def cuda_fsdp_train(rank: int, world_size: int, delay: float, dtype: str = "floa
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp_shard"])
     fully_shard(model, mesh=mesh["dp_shard"])
+    model.set_is_last_backward(last_backward)
     opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5,
                         communicator=DelayedCommunicator(delay, collectives_at_world_size_1=True), **HP)  # fmt: skip
     _cuda_steps(model, opt, 0, STEPS)
@@ -427,9 +431,18 @@ def test_cuda_acco_over_a_bf16_fsdp2_model_is_the_same_whatever_the_round_timing
     assert any(not torch.equal(a, b) for a, b in zip(runs[0], start))
 
 
-def test_cuda_acco_over_an_fsdp2_model_matches_the_reference_whatever_the_round_timing() -> None:
+@pytest.mark.parametrize("last_backward", [True, False], ids=["fsdp-waits", "fsdp-does-not-wait"])
+def test_cuda_acco_over_an_fsdp2_model_matches_the_reference_whatever_the_round_timing(last_backward: bool) -> None:
     runs = [
-        run_ranks(cuda_fsdp_train, world_size=1, backend="nccl", start_method="spawn", timeout=300, delay=d)[0]
+        run_ranks(
+            cuda_fsdp_train,
+            world_size=1,
+            backend="nccl",
+            start_method="spawn",
+            timeout=300,
+            delay=d,
+            last_backward=last_backward,
+        )[0]  # fmt: skip
         for d in (0.0, 0.05)
     ]
     assert all(torch.equal(a, b) for a, b in zip(*runs))  # no stream dependency missing

@@ -258,6 +258,54 @@ def _catch(fn, into: list) -> None:  # noqa: ANN001
         into.append(e)
 
 
+class _FakeStream:
+    """A CUDA stream as the engine sees it (its id, ``wait_stream``), logging what waits for what."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.stream_id = name, log, id(self)
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+@pytest.mark.parametrize("packed_or_swap", ["copy", "swap"])
+def test_the_main_stream_waits_for_the_hooks_stream_before_the_sums_are_read(monkeypatch, packed_or_swap) -> None:
+    """FSDP2 runs the gradient hooks on its reduce-scatter stream: the main stream waits for that stream (on the
+    device) before anything reads or writes the sums after a backward, whatever FSDP's own end-of-backward wait
+    does (``set_is_last_backward(False)`` skips it). Streams are faked: CUDA's ordering with no GPU here."""
+    from hf_acco.engine import handover
+
+    log: list[str] = []
+    main, fsdp = _FakeStream("main", log), _FakeStream("fsdp reduce-scatter", log)
+    current = {"stream": main}
+    monkeypatch.setattr(handover, "current_stream", lambda device: current["stream"])
+    model, pair = _pair(separate=True)
+    pair.hook_streams = handover.HookStreams(torch.device("cuda"))  # the CPU pair, its ordering as on a GPU
+    read = pair._zero_unwritten
+    monkeypatch.setattr(pair, "_zero_unwritten", lambda: (log.append("sums read"), read()))
+
+    def backward_on(stream: _FakeStream) -> None:
+        current["stream"] = stream  # the hooks run with FSDP's stream current
+        model(torch.ones(2, 3, dtype=torch.bfloat16)).sum().backward()
+        current["stream"] = main
+
+    backward_on(fsdp)
+    backward_on(fsdp)
+    pair.hand_over(swap=packed_or_swap == "swap")
+    assert log == ["main waits for fsdp reduce-scatter", "sums read"]  # once, before the sums: streams noted once
+    log.clear()
+    pair.cancel_lend()
+    pair.restart(packed_or_swap == "swap")
+    backward_on(main)  # hooks on the main stream itself (no FSDP): nothing to wait for
+    pair.hand_over(swap=False)
+    assert log == ["sums read"]
+    log.clear()
+    pair.cancel_lend()
+    backward_on(fsdp)
+    pair.accum  # noqa: B018 - any use of ``accum`` by the main thread (a boundary's scratch) orders it too
+    assert log == ["main waits for fsdp reduce-scatter"]
+
+
 def test_one_buffer_without_overlap_goes_back_to_accumulating_after_the_round() -> None:
     model, pair = _pair(separate=False)
     model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()

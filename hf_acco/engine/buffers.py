@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_acco.comm.deltas import PackedRound
 from hf_acco.comm.sharding import FlatLayout
-from hf_acco.engine.handover import LentSums
+from hf_acco.engine.handover import HookStreams, LentSums
 from hf_acco.engine.kernels import writers
 
 WIRE_DTYPES = ("auto", "fp32", "bf16", "int8")  # the settings' spellings of comm_dtype
@@ -153,6 +153,7 @@ class BufferPair:
         self._add, self._copy = writers(device)  # the hook's kernels (HF_ACCO_ACCUMULATE: torch's, or Triton's)
         self._accum = layout.new_flat(device, dtype=grad_dtype)
         self._lent: LentSums | None = None  # the last hand-over's copy, made by its round: writers of ``_accum`` wait
+        self.hook_streams = HookStreams(device)  # where the hooks' kernels ran: the main stream waits before the sums
         self.packed = packed  # the round's buffer holds int8 rows (deltas.PackedRound), packed at the hand-over
         # the two buffers can swap roles when they are alike (the wire in the sums' dtype); else the round gets a copy
         self.swappable = swappable(self.param_dtype, comm_dtype, grad_dtype) and packed is None
@@ -234,6 +235,7 @@ class BufferPair:
         for p in self.owners:
             _OWNERS[id(p)] = weakref.ref(self)
 
+    @torch.no_grad()  # to_local() outside no_grad records an autograd node for each parameter
     def check_devices(self) -> None:
         if self.owners is not self.params:  # FSDP2: the local shards the engine writes must be those FSDP reads
             for owner, p, name in zip(self.owners, self.params, self.layout.names):
@@ -257,8 +259,10 @@ class BufferPair:
         return self._accum
 
     def reclaim(self) -> None:
-        """Wait until the last hand-over's round has copied the sums out of ``accum``: on the host, then this stream
-        (each stream a writer uses waits once; the lend is kept until the next hand-over)."""
+        """Before the main thread reads or writes ``accum``: its stream after the gradient hooks' kernels
+        (``HookStreams``), and the last hand-over's round done copying the sums out of it, on the host, then this
+        stream (each stream a writer uses waits once; the lend is kept until the next hand-over)."""
+        self.hook_streams.order_main()
         lent = self._lent
         if lent is not None:
             lent.wait()
@@ -278,6 +282,7 @@ class BufferPair:
             )
         if self._lent is not None:  # after the round's copy of the last half's sums (a no-op once this stream waited)
             self._lent.wait()
+        self.hook_streams.note()  # this stream's kernels below: the main stream waits for them before the sums
         # (p.grad is set: a post-accumulate-grad hook runs after autograd has written it)
         i, view, grad = self._index[id(p)], self.grad_views[id(p)], cast(torch.Tensor, p.grad)
         if isinstance(grad, DTensor):  # FSDP2: this rank's shard of the machine's reduced gradient
@@ -312,7 +317,7 @@ class BufferPair:
 
         ``swap``: the step's sums go (accumulation restarts from zero); else half B goes on accumulating on top of
         them. Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
-        self.reclaim()  # the previous round's copy (waited for already: this orders the main stream after it)
+        self.reclaim()  # the hooks' streams, the previous round's copy: the main stream after both
         self._lent = None
         self._zero_unwritten()
         accum, wire = self._accum, self.wire

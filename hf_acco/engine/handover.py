@@ -15,7 +15,14 @@ Ordering on CUDA (the invariant at each sync point):
 
 The round's thread never waits here (it would wait for itself): ``wait`` refuses to run there.
 
-On CPU the copy is over when the host event is set. Torch only.
+The other direction, ``HookStreams``: the gradient hooks' kernels run on whatever stream autograd or FSDP2 runs them
+on (FSDP2: its reduce-scatter stream, ``with stream(post_reduce_stream)``). Invariant: before the main thread reads
+or writes ``accum`` after a backward (a hand-over, a step boundary's scratch use), the main stream waits, on the
+device, for every stream a hook ran on since the last such point (``wait_stream``: an event recorded now on that
+stream, which already holds every kernel the hooks queued, since backward has returned on the host). This holds
+whatever FSDP's own end-of-backward synchronisation does (``set_is_last_backward(False)`` turns it off).
+
+On CPU the copy is over when the host event is set, and every kernel is over when its call returns. Torch only.
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ from collections.abc import Callable
 import torch
 
 from hf_acco.engine.runner import ROUND_THREAD
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """The calling thread's current stream on ``device`` (a seam: the tests put fake streams here)."""
+    return torch.cuda.current_stream(device)
 
 
 class LentSums:
@@ -61,7 +73,33 @@ class LentSums:
                 raise AssertionError("the round's thread waited for its own copy of the sums")  # invariant
             self._queued.wait()
         if self._taken is not None:
-            stream = torch.cuda.current_stream(self._device)
+            stream = current_stream(self._device)
             if stream.stream_id not in self._ordered:
                 stream.wait_event(self._taken)
                 self._ordered.add(stream.stream_id)
+
+
+class HookStreams:
+    """The streams the gradient hooks ran on since the main stream last waited for them (see the module's
+    docstring). ``note`` runs in each hook (autograd's thread; backward has returned before the main thread reads
+    the sums, so the two never run at once); ``order_main`` on the main thread, before it touches ``accum``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._device = device
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def note(self) -> None:
+        if self._cuda:
+            stream = current_stream(self._device)
+            self._streams.setdefault(stream.stream_id, stream)
+
+    def order_main(self) -> None:
+        """The main stream after every kernel the hooks queued (on the device: the host goes on)."""
+        if not self._streams:
+            return
+        main = current_stream(self._device)
+        for stream_id, stream in self._streams.items():
+            if stream_id != main.stream_id:
+                main.wait_stream(stream)
+        self._streams.clear()
