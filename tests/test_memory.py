@@ -243,7 +243,8 @@ def test_a_gpu_size_gets_a_verdict_and_what_would_hold_less(capsys) -> None:
         return json.loads(capsys.readouterr().out)
 
     bf16, fp32 = report("--param_dtype", "bf16"), report("--param_dtype", "fp32")
-    assert bf16["fits"] and bf16["left_for_activations_bytes"] == 80 * 2**30 - bf16["peak_bytes"]
+    assert bf16["fits"] and bf16["left_for_activations_bytes"] == 80 * 2**30 - bf16["device_bytes"]
+    assert bf16["device_bytes"] - bf16["peak_bytes"] == sum(bf16["runtime"].values()) == 2 * 2**30  # the allowance
     assert not fp32["fits"] and fp32["left_for_activations_bytes"] < 0
     lower = fp32["lower_persistent_bytes"]
     loaded_in_bf16 = next(v for k, v in lower.items() if k.startswith("--param_dtype bf16"))
@@ -343,3 +344,133 @@ def test_the_report_is_within_3_percent_of_what_a_gpu_held() -> None:
             assert abs(report.persistent_bytes / run["step_end_allocated_bytes"] - 1) < 0.03, (path.name, method)
             checked += 1
     assert checked
+
+
+# ---- FSDP2's working set (FSDP inside machines), measured from its tensors ----------------------------------------
+
+FSDP_LLAMA = dict(vocab_size=2000, hidden_size=256, intermediate_size=704, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+
+
+def _fsdp_working_set(rank: int, world_size: int, config: str, reduce: str) -> dict[str, int]:
+    """A transformers Llama sharded over each machine's 2 ranks as Accelerate's ``fsdp2_prepare_model`` does (each
+    decoder layer, the input embedding, the tail [norm, lm_head] with ``reshard_after_forward=False``, the root; a
+    bf16 model, its bf16 policy), two training steps; the peak bytes of each kind of FSDP tensor alive at once,
+    sampled around every FSDP parameter group's unshard, copy-out, reshard and post-backward and every hook."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(config)).to(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    kw = dict(mesh=mesh["dp_shard"], mp_policy=MixedPrecisionPolicy(torch.bfloat16, getattr(torch, reduce)))
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model.model.embed_tokens, **kw)
+    fully_shard([model.model.norm, model.lm_head], **kw, reshard_after_forward=False)
+    fully_shard(model, **kw)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
+    tail = model.lm_head._get_fsdp_state()._fsdp_param_group  # (the group of [norm, lm_head])
+    ctx = model._get_fsdp_state()._comm_ctx
+    peaks = dict.fromkeys(("all_gather_outputs", "unsharded", "unsharded_grads", "reduce_scatter_input", "tail"), 0)
+
+    def storage(tensors, seen: set) -> int:  # noqa: ANN001 - each storage once (views of one buffer share it)
+        total = 0
+        for t in tensors:
+            if t is not None and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def sample(*_: object, **__: object) -> None:
+        outputs = [g._all_gather_result for g in groups] + [getattr(ctx.all_gather_state, "all_gather_result", None)]
+        now = {
+            "all_gather_outputs": storage([r.all_gather_output for r in outputs if r is not None], set()),
+            "unsharded": storage(
+                [
+                    t
+                    for g in groups
+                    if g is not tail
+                    for fp in g.fsdp_params
+                    for t in getattr(fp, "all_gather_outputs", [])
+                ],
+                set(),
+            ),  # fmt: skip
+            "unsharded_grads": storage(
+                [fp._unsharded_param.grad for g in groups for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")],
+                set(),
+            ),  # fmt: skip
+            "reduce_scatter_input": storage([s.reduce_scatter_input for s in ctx.reduce_scatter_states], set()),
+            "tail": storage([t for fp in tail.fsdp_params for t in getattr(fp, "all_gather_outputs", [])], set()),
+        }
+        for k, v in now.items():
+            peaks[k] = max(peaks[k], v)
+
+    for name in ("unshard", "wait_for_unshard", "reshard", "post_backward"):
+        method = getattr(FSDPParamGroup, name)
+        setattr(FSDPParamGroup, name, lambda self, *a, _m=method, **k: (sample(), _m(self, *a, **k), sample())[1])
+    for m in model.modules():
+        m.register_forward_pre_hook(sample)
+        m.register_forward_hook(sample)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(sample)
+    ids = torch.randint(0, FSDP_LLAMA["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return peaks
+
+
+@pytest.mark.parametrize("reduce", ["bfloat16", "float32"])
+def test_fsdps_working_set_in_the_report_is_what_fsdp2_allocates(tmp_path, reduce: str) -> None:
+    """``hf_acco.memory --fsdp_shard 2 --config``: each FSDP line within 10 % of what FSDP2 allocated on 2 x 2 CPU
+    ranks for a transformers Llama (the all-gather outputs alive at once, the unsharded group, its gradients, the
+    reduce-scatter input in the policy's reduce dtype, the tail group), its groups read from the config."""
+    from transformers import LlamaConfig
+
+    from hf_acco.tools.device_memory import groups_from_config, working_set
+
+    LlamaConfig(**FSDP_LLAMA).save_pretrained(tmp_path)
+    measured = run_ranks(_fsdp_working_set, world_size=4, timeout=300, config=str(tmp_path), reduce=reduce)[0]
+    lines = working_set(groups_from_config(tmp_path, 2), torch.bfloat16, getattr(torch, reduce))
+    by_kind = dict(zip(("all_gather_outputs", "unsharded", "unsharded_grads", "reduce_scatter_input", "tail"), lines))
+    for kind, line in by_kind.items():
+        assert measured[kind] > 0, kind
+        assert abs(lines[line] - measured[kind]) <= 0.1 * measured[kind], (kind, lines[line], measured[kind])
+
+
+def test_70b_on_8_by_8_with_fsdp_inside_counts_fsdps_working_set_and_says_what_is_left(capsys, tmp_path) -> None:
+    """The leanest settings for 70B on 8 machines of 8: FSDP's working set as lines of its own, in the peak, the
+    allowance beside it, and what is left of the GPU is what remains after all of them; the groups assumed from
+    --params (and said so), or read from --config."""
+    from transformers import LlamaConfig
+
+    from hf_acco.tools import memory
+
+    lean = ["--world_size", "64", "--gpus_per_node", "8", "--fsdp_shard", "8", "--grad_dtype", "bf16",
+            "--comm_dtype", "int8", "--gather_dtype", "int8"]  # fmt: skip
+    memory.main(["--params", "70e9", *lean])
+    text = capsys.readouterr().out
+    assert "| + FSDP: all-gather outputs, current and prefetched" in text
+    assert "assumed: shaped like Llama 2 70B" in text
+    memory.main(["--params", "70e9", *lean, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["fsdp"]) == 5 and out["fsdp_bytes"] == sum(out["fsdp"].values()) > 8e9  # ~5 layers of 1.7 GB
+    held = out["persistent_bytes"] + out["round_pool_bytes"] + max(out["temporaries"].values())
+    assert out["peak_bytes"] == held + out["fsdp_bytes"]
+    assert out["left_for_activations_bytes"] == 80 * 2**30 - out["peak_bytes"] - sum(out["runtime"].values())
+    assert out["fits_with_margin"] == (out["left_for_activations_bytes"] >= out["margin_bytes"] == 8 * 2**30)
+    memory.main(["--params", "70e9", *lean, "--json", "--fsdp_reduce_dtype", "fp32"])
+    fp32_reduce = json.loads(capsys.readouterr().out)
+    assert fp32_reduce["fsdp_bytes"] - out["fsdp_bytes"] == max(out["fsdp"].values()) // 2  # a layer's 2 more bytes
+
+    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                         num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+    config.save_pretrained(tmp_path)  # Llama 2 70B's shape: the assumed groups, unscaled, are its own
+    memory.main(["--config", str(tmp_path), *lean, "--json"])
+    own = json.loads(capsys.readouterr().out)
+    assert own["fsdp_groups"].startswith("the model's config")
+    layer = 2 * (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192)  # bf16 bytes of a decoder layer
+    assert own["fsdp"]["FSDP: the group being computed, unsharded (model dtype)"] == layer

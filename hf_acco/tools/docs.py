@@ -372,6 +372,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "engine-traffic": results_docs.traffic_table,
     "hsdp-memory": results_docs.hsdp_memory_table,
     "hsdp-fits": results_docs.hsdp_fits_table,
+    "hsdp-70b": results_docs.hsdp_70b_table,
     "hsdp-bench": results_docs.hsdp_bench_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),

@@ -1,11 +1,11 @@
 """Bytes per rank of every buffer the engine holds, next to DDP, ZeRO-1 and ZeRO-2 for the same model.
 
     python -m hf_acco.memory --params 7e9 --world_size 8 --param_dtype bf16 [--comm_dtype auto|fp32|bf16|int8]
-                             [--gather_dtype auto|int8|int4]
-                             [--grad_dtype fp32|bf16] [--optimizer fused|foreach] [--gpus_per_node 8] [--json]
+        [--gather_dtype auto|int8|int4] [--grad_dtype fp32|bf16] [--optimizer fused|foreach] [--gpus_per_node 8]
+        [--fsdp_shard 8 [--fsdp_reduce_dtype fp32]] [--config path/to/model] [--json]
 
-Units: GB = 10^9 bytes, with GiB (2^30 bytes) beside it. An "80 GB" GPU holds 80 GiB (85.9 GB), less what the CUDA
-context, NCCL and the allocator's fragmentation take.
+Units: GB = 10^9 bytes, with GiB (2^30 bytes) beside it. An "80 GB" GPU holds 80 GiB (85.9 GB). FSDP's working set,
+the CUDA context's and NCCL's allowance and the verdict's margin: ``device_memory.py``.
 
 The engine's figures come from the code that allocates its buffers: the flat layout (``FlatLayout``, padding and
 buckets included), the buffer pair's dtypes (``buffers.comm_allocation``; ``"auto"`` on the wire is the model's
@@ -18,7 +18,7 @@ the shard optimizer's master and per-element state, the boundary's model shard (
   foreach Adam allocates a shard-sized square root of the second moment, the fused one nothing). They are allocated
   on the round's own stream, and the caching allocator keeps freed blocks for the stream that made them: activations
   cannot reuse them, so they count as held for the run. Peak = persistent + that pool + the largest temporary of
-  the main thread (none of shard size: the boundary's model shard goes to the host straight from the model).
+  the main thread (none of shard size) + FSDP's working set where it shards the model.
 * Host: acco's copy of the boundary's model shard (in the model's dtype, pinned on a GPU: a checkpoint written in
   the middle of a step still describes the boundary; torch's pinned allocator rounds each block up to a power of
   2, which the per-rank total counts); per node with ``--gpus_per_node``. Evaluation and saving at a
@@ -27,9 +27,8 @@ the shard optimizer's master and per-element state, the boundary's model shard (
   accumulation buffer; a re-sharding resume reads each rank's new ranges from memory-mapped files (its shard's
   master, model and moments, on the host while it loads).
 
-The baselines, per rank, for a model whose weights are in ``param_dtype`` and whose gradients accumulate in fp32
-(as DeepSpeed does with bf16; Adam(W): two fp32 moments): DDP, every rank everything; ZeRO-1, master and moments
-sharded; ZeRO-2, the fp32 gradient sharded too. Activations are not counted anywhere.
+The baselines (``device_memory.baselines``): DDP, ZeRO-1, ZeRO-2 and HSDP with fp32 gradients, masters and moments.
+Activations are counted only with ``--config`` and ``--micro_batch_size`` (``model_shape.py``).
 """
 
 from __future__ import annotations
@@ -47,14 +46,15 @@ from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.buffers import ACCUM_DTYPE, SHARD_GRAD_DTYPE, check_grad_dtype, comm_allocation, shard_grad_room
 from hf_acco.engine.optim import estimate_window
 from hf_acco.engine.packing import packed_bytes, packs_round
+from hf_acco.tools import device_memory
 from hf_acco.tools.cli_types import GPUS, POSITIVE_FLOAT, POSITIVE_INT
+from hf_acco.tools.device_memory import GIB, FSDPGroups, _gb, baselines, margin_bytes, verdict
 from hf_acco.tools.model_shape import shape_and_activations
 from hf_acco.tools.wire_pool import residual_bytes, wire_pool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_STATE_PER_ELEMENT = 2  # exp_avg, exp_avg_sq
 OPTIMIZERS = ("fused", "foreach")  # Trainer's default optim="adamw_torch_fused"; a plain AdamW on CUDA: foreach
-GIB = 1 << 30
 
 
 @dataclass
@@ -66,6 +66,9 @@ class MemoryReport:
     temporaries: dict[str, int] = field(default_factory=dict)  # on the device, main thread, one at a time
     host: dict[str, int] = field(default_factory=dict)  # in (pinned) host memory, held for the run
     host_transient: dict[str, int] = field(default_factory=dict)  # on the host, only while it happens
+    fsdp: dict[str, int] = field(default_factory=dict)  # on the device, FSDP2's working set (device_memory.py)
+    runtime: dict[str, int] = field(default_factory=dict)  # on the device, outside torch: an allowance
+    fsdp_source: str = ""  # where FSDP's group sizes come from
 
     @property
     def persistent_bytes(self) -> int:
@@ -76,8 +79,19 @@ class MemoryReport:
         return max(self.round_pool.values(), default=0)
 
     @property
+    def fsdp_bytes(self) -> int:
+        return sum(self.fsdp.values())
+
+    @property
     def peak_bytes(self) -> int:
-        return self.persistent_bytes + self.round_pool_bytes + max(self.temporaries.values(), default=0)
+        """What torch's allocator holds at the peak, activations aside: the engine's and FSDP's."""
+        temporaries = max(self.temporaries.values(), default=0)
+        return self.persistent_bytes + self.round_pool_bytes + temporaries + self.fsdp_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """The peak and the CUDA context's and NCCL's allowance: what the GPU must hold besides the activations."""
+        return self.peak_bytes + sum(self.runtime.values())
 
     @property
     def host_bytes(self) -> int:
@@ -110,13 +124,19 @@ def engine_memory(
     fsdp_shard: int = 1,
     packed: bool | None = None,
     boundary_copy: bool = True,
+    fsdp_groups: FSDPGroups | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks. ``fsdp_shard``: the
     ranks of a machine that shard the model with FSDP2 (docs/hsdp.md): the engine then holds one FSDP shard's
     numbers (``numel / fsdp_shard`` elements: FSDP splits each parameter's first dimension, within a row of even)
     and its rounds run over ``world_size / fsdp_shard`` ranks, one per machine. ``packed``: whether the round's buffer
     holds int8 rows (None: the engine's rule for these settings). ``boundary_copy``: acco's host copy of the
-    boundary's model shard (``ACCOOptimizer(boundary_copy=...)``: kept by hand-written loops, not by ACCOTrainer)."""
+    boundary's model shard (``ACCOOptimizer(boundary_copy=...)``: kept by hand-written loops, not by ACCOTrainer).
+    ``fsdp_groups``: the sizes of the groups FSDP all-gathers (``device_memory``; None: assumed from ``numel``),
+    ``reduce_dtype``: FSDP's reduce-scatter dtype (None: the model's, Accelerate's policy)."""
+    groups = fsdp_groups or (device_memory.assumed_groups(numel) if fsdp_shard > 1 else None)
+    communicators = device_memory.nccl_communicators(fsdp_shard, two_level=False)
     if fsdp_shard > 1:
         if world_size % fsdp_shard:
             raise ValueError(f"world_size ({world_size}) is machines x fsdp_shard: {fsdp_shard} does not divide it")
@@ -166,8 +186,7 @@ def engine_memory(
         temporaries["main thread at a step boundary: packing the sums, adding the changes (a chunk's)"] = (
             row * fp32 + layout.chunk * max(comm_dtype.itemsize, param_dtype.itemsize)
         )
-    if fsdp_shard > 1:  # FSDP's own, beside the activations (neither counted): the layers it has all-gathered
-        temporaries["FSDP: the unsharded layers of the forward and backward (not counted: a layer or two)"] = 0
+    fsdp = device_memory.working_set(groups, param_dtype, reduce_dtype or param_dtype) if groups is not None else {}
     host = {}
     if schedule == "acco" and boundary_copy:  # (ACCOTrainer saves at step boundaries only: it keeps none)
         host["acco: the boundary's model shard (model dtype, pinned; not under ACCOTrainer)"] = (
@@ -181,7 +200,11 @@ def engine_memory(
     round_pool.update(
         wire_pool(layout, comm_dtype, quantized, change_bits, backend, max_inflight, ranks_per_node, bool(packed))
     )
-    return MemoryReport(persistent, round_pool, temporaries, host, host_transient)
+    if fsdp_shard == 1 and nodes > 1 and per_node > 1 and quantized:  # int8 in two levels: the node and rail groups
+        communicators = device_memory.nccl_communicators(1, two_level=True)
+    runtime = device_memory.runtime_allowance(communicators) if backend == "nccl" else {}
+    source = groups.source if groups is not None else ""
+    return MemoryReport(persistent, round_pool, temporaries, host, host_transient, fsdp, runtime, source)
 
 
 def _wire(comm_dtype: torch.dtype | str, param_dtype: torch.dtype) -> tuple[torch.dtype, bool]:
@@ -217,25 +240,6 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
     )
 
 
-def baselines(numel: int, world_size: int, param_dtype: torch.dtype, fsdp_shard: int = 1) -> dict[str, int]:
-    """Persistent bytes per rank of DDP, ZeRO-1 and ZeRO-2 (fp32 gradient accumulation, Adam(W)); with
-    ``fsdp_shard``, HSDP too: FSDP2 over each machine's ranks with mixed precision as Accelerate sets it up (fp32
-    sharded parameters, gradients and moments), replicated across machines."""
-    params, grads, master, moments = numel * param_dtype.itemsize, 4 * numel, 4 * numel, 8 * numel
-    out = {
-        "DDP": params + grads + master + moments,
-        "ZeRO-1": params + grads + (master + moments) // world_size,
-        "ZeRO-2": params + (grads + master + moments) // world_size,
-    }
-    if fsdp_shard > 1:
-        out[f"HSDP (FSDP2 over {fsdp_shard} ranks, fp32 master parameters)"] = (master + grads + moments) // fsdp_shard
-    return out
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB ({n / GIB:.2f} GiB)"
-
-
 def table(
     report: MemoryReport,
     numel: int,
@@ -252,7 +256,13 @@ def table(
     lines += [f"| {k} | {_gb(n)} |" for k, n in report.persistent.items() if n]
     lines += [f"| **persistent** | **{_gb(report.persistent_bytes)}** |"]
     lines += [f"| + round stream pool: {k} | {_gb(n)} |" for k, n in report.round_pool.items()]
-    lines += [f"| **peak** (persistent + the pool's largest) | **{_gb(report.peak_bytes)}** |", ""]
+    lines += [f"| + {k} | {_gb(n)} |" for k, n in report.fsdp.items()]
+    pool = "persistent + the pool's largest" + (" + FSDP's working set" if report.fsdp else "")
+    lines += [f"| **peak** ({pool}) | **{_gb(report.peak_bytes)}** |"]
+    lines += [f"| + {k} | {_gb(n)} |" for k, n in report.runtime.items()]
+    if report.runtime:
+        lines += [f"| **on the GPU, activations aside** | **{_gb(report.device_bytes)}** |"]
+    lines += [""]
     lines += ["| on the host | GB (GiB) |", "|---|---|"]
     lines += [f"| {k} | {_gb(n)} |" for k, n in report.host.items()]
     lines += [f"| **pinned per rank** (blocks rounded up to a power of 2 by torch) | **{_gb(report.host_bytes)}** |"]
@@ -272,8 +282,10 @@ def table(
             "",
             f"Beyond ZeRO-1: the {name.split(' (')[0]} ({_gb(n)}), the gradients' buffer beside the sums ({why}).",
         ]
-    if fsdp_shard > 1:
-        lines += ["", "Not counted: FSDP's all-gathered layers (a layer or two at a time) and the activations."]
+    if report.fsdp:
+        lines += ["", f"FSDP's groups: {report.fsdp_source}. Not counted: the activations."]
+    if report.runtime:
+        lines += ["", "The allowance is not a measurement: nvidia-smi after the first step shows what yours take."]
     return "\n".join(lines)
 
 
@@ -309,6 +321,10 @@ def make_parser() -> argparse.ArgumentParser:
         help="ranks of each machine that shard the model with FSDP2, ACCO across machines (docs/hsdp.md)",
     )  # fmt: skip
     p.add_argument(
+        "--fsdp_reduce_dtype", choices=sorted(DTYPES), default=None,
+        help="with --fsdp_shard: FSDP's reduce-scatter dtype inside a machine (default: the model's, Accelerate's)",
+    )  # fmt: skip
+    p.add_argument(
         "--gpu_gib", type=POSITIVE_FLOAT, default=None,
         help="the GPU's memory in GiB (default: --gpu's, else 80): whether the peak fits and what is left",
     )  # fmt: skip
@@ -334,20 +350,24 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--world_size ({args.world_size}) is whole machines of --gpus_per_node ({args.gpus_per_node}) GPUs")
     if args.fsdp_shard > 1 and args.world_size % args.fsdp_shard:
         p.error(f"--world_size is machines x --fsdp_shard: {args.fsdp_shard} does not divide {args.world_size}")
+    groups = None
+    if args.config is not None and args.fsdp_shard > 1:
+        groups = device_memory.groups_from_config(args.config, args.fsdp_shard)
+    reduce = DTYPES[args.fsdp_reduce_dtype] if args.fsdp_reduce_dtype else param
     report = engine_memory(
         numel, args.world_size, param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule,
         optimizer=args.optimizer, gather_dtype=args.gather_dtype, ranks_per_node=args.gpus_per_node,
-        error_feedback=args.error_feedback, fsdp_shard=args.fsdp_shard,
+        error_feedback=args.error_feedback, fsdp_shard=args.fsdp_shard, fsdp_groups=groups, reduce_dtype=reduce,
     )  # fmt: skip
     settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(wire), "grad_dtype": args.grad_dtype}
     settings.update(gather_dtype=args.gather_dtype, error_feedback=args.error_feedback)
     settings.update(schedule=args.schedule, optimizer=args.optimizer)
     if args.fsdp_shard > 1:
-        settings["fsdp_shard"] = args.fsdp_shard
+        settings.update(fsdp_shard=args.fsdp_shard, fsdp_reduce_dtype=_name(reduce))
     lower = lower_settings(args, numel, param, wire, grad, report.persistent_bytes)
     if args.gpu_gib is None:
         args.gpu_gib = float(GPUS[args.gpu][1]) if args.gpu else 80.0
-    left = int(args.gpu_gib * GIB) - report.peak_bytes - (activations or 0)
+    left = int(args.gpu_gib * GIB) - report.device_bytes - (activations or 0)
     if not args.json:
         print(table(report, numel, args.world_size, param, settings, args.gpus_per_node, args.fsdp_shard))
         if activations is not None:
@@ -365,28 +385,20 @@ def main(argv: list[str] | None = None) -> None:
     out.update(error_feedback=args.error_feedback)
     out.update(optimizer=args.optimizer, fsdp_shard=args.fsdp_shard)
     out.update(persistent_bytes=report.persistent_bytes, round_pool_bytes=report.round_pool_bytes)
-    out.update(peak_bytes=report.peak_bytes, host_pinned_bytes_per_rank=report.host_bytes)
+    out.update(peak_bytes=report.peak_bytes, fsdp_bytes=report.fsdp_bytes, device_bytes=report.device_bytes)
+    out.update(host_pinned_bytes_per_rank=report.host_bytes)
     out.update(host_pinned_bytes_per_node=report.host_bytes * args.gpus_per_node)
     out.update({f"{k}_gib": out[k] / GIB for k in list(out) if k.endswith("_bytes") or "_bytes_per_" in k})
     out.update(persistent=report.persistent, round_pool=report.round_pool, temporaries=report.temporaries)
     out.update(host=report.host, host_transient=report.host_transient)
+    out.update(fsdp=report.fsdp, fsdp_groups=report.fsdp_source, runtime=report.runtime)
     out["baselines_persistent_bytes"] = baselines(numel, args.world_size, param, args.fsdp_shard)
     out["lower_persistent_bytes"] = lower
     out["activation_bytes"] = activations
-    out.update(gpu_gib=args.gpu_gib, fits=left > 0, left_for_activations_bytes=left)
+    margin = 0 if activations is not None else margin_bytes(args.gpu_gib)
+    out.update(gpu_gib=args.gpu_gib, fits=left > 0, left_for_activations_bytes=left, margin_bytes=margin)
+    out.update(fits_with_margin=left > 0 and left >= margin)
     print(json.dumps(out))
-
-
-def verdict(left: int, gpu_gib: float, activations: bool = False) -> str:
-    """Whether the engine's peak (and the activations, when counted) leaves room in a GPU of ``gpu_gib``: what
-    remains is for the activations, the CUDA context, NCCL and the allocator's fragmentation (a few GiB of which
-    are never the user's)."""
-    if left > 0:
-        what = "the CUDA context, NCCL and fragmentation (a few GiB)" if activations else (
-            "the activations (and the CUDA context, NCCL and fragmentation: a few GiB)")  # fmt: skip
-        return f"Fits a GPU of {gpu_gib:g} GiB: {_gb(left)} left for {what}."
-    return f"Does not fit a GPU of {gpu_gib:g} GiB: {_gb(-left)} over" + (
-        ", with the activations." if activations else ", before any activation.")  # fmt: skip
 
 
 def lower_settings(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,17 +176,20 @@ def beside_table(folder: str, order: tuple[str, ...]) -> str:
 
 def hsdp_memory_table() -> str:
     """``python -m hf_acco.memory --fsdp_shard 8 --grad_dtype bf16 --comm_dtype int8 --gather_dtype int8``: per
-    GPU, FSDP2 over each
-    machine's 8 GPUs and ACCO across machines, for 70B on 8 machines, 34B on 4 and 13B on 2 (bf16 models), beside
-    HSDP's persistent bytes and the ``sync`` schedule's."""
+    GPU, FSDP2 over each machine's 8 GPUs and ACCO across machines, for 70B on 8 machines, 34B on 4 and 13B on 2
+    (bf16 models, FSDP's groups assumed Llama-shaped, Accelerate's bf16 reduce): the engine's persistent bytes,
+    FSDP's working set, the peak, the GPU's need with the CUDA context's and NCCL's allowance, what is left of an
+    80 GiB GPU for the activations; the ``sync`` schedule's need and HSDP's, counted alike."""
     import torch
 
-    from hf_acco.tools.memory import baselines, engine_memory
+    from hf_acco.tools.device_memory import GIB, device_baseline
+    from hf_acco.tools.memory import engine_memory
 
     out = [
-        "| model, machines x 8 GPUs | HSDP-ACCO persistent (GB) | peak with the rounds' pool (GB) "
-        "| the same with `sync` (GB) | HSDP (FSDP2, fp32 masters) (GB) |",
-        "|---|---:|---:|---:|---:|",
+        "| model, machines x 8 GPUs | HSDP-ACCO persistent (GB) | FSDP's working set (GB) | peak (GB) "
+        "| on the GPU, with the allowance (GB) | left of 80 GiB for the activations (GB) "
+        "| the same with `sync`: on the GPU (GB) | HSDP (FSDP2, fp32 masters): on the GPU (GB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for params, machines in ((70e9, 8), (34e9, 4), (13e9, 2)):
         numel, world = int(params), 8 * machines
@@ -193,38 +197,82 @@ def hsdp_memory_table() -> str:
                         gather_dtype="int8")  # fmt: skip
         acco = engine_memory(numel, world, **settings)  # type: ignore[arg-type]
         sync = engine_memory(numel, world, schedule="sync", **settings)  # type: ignore[arg-type]
-        hsdp = next(v for k, v in baselines(numel, world, torch.bfloat16, 8).items() if k.startswith("HSDP"))
-        out.append(
-            f"| {params / 1e9:.0f}B, {machines} x 8 | {acco.persistent_bytes / 1e9:.1f} | {acco.peak_bytes / 1e9:.1f} "
-            f"| {sync.persistent_bytes / 1e9:.1f} | {hsdp / 1e9:.1f} |"
-        )
+        hsdp = device_baseline("HSDP", numel, world, torch.bfloat16, 8)
+        cells = (acco.persistent_bytes, acco.fsdp_bytes, acco.peak_bytes, acco.device_bytes,
+                 80 * GIB - acco.device_bytes, sync.device_bytes, hsdp)  # fmt: skip
+        out.append(f"| {params / 1e9:.0f}B, {machines} x 8 | " + " | ".join(f"{n / 1e9:.1f}" for n in cells) + " |")
     return "\n".join(out) + "\n"
 
 
 def hsdp_fits_table() -> str:
     """Which of DDP, ZeRO-1, HSDP, ACCO and HSDP-ACCO fit an 80 GiB GPU, per GPU, for bf16 models of 7B and 13B on 2
-    machines of 8 GPUs, 34B on 4 and 70B on 8 (``hf_acco.memory``'s figures; ACCO's with their leanest settings:
-    bf16 sums, int8 gradients and changes on the wire; its peak with the rounds' pool). Activations are not
-    counted: what is left is theirs."""
+    machines of 8 GPUs, 34B on 4 and 70B on 8 (``hf_acco.memory``'s ``device_bytes``: the peak with FSDP's working
+    set where FSDP shards the model, and the CUDA context's and NCCL's allowance; ACCO's with its leanest settings:
+    bf16 sums, int8 gradients and changes on the wire). Activations are not counted: a setting fits when it leaves
+    them the margin, ``memory.MARGIN`` of the GPU."""
     import torch
 
-    from hf_acco.tools.memory import GIB, baselines, engine_memory
+    from hf_acco.tools.device_memory import GIB, device_baseline, margin_bytes
+    from hf_acco.tools.memory import engine_memory
 
-    gpu = 80 * GIB
+    usable = 80 * GIB - margin_bytes(80)
     out = [
         "| model, machines x 8 GPUs | DDP (GB) | ZeRO-1 (GB) | HSDP (GB) | ACCO (GB) | HSDP-ACCO (GB) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    mark = lambda n: f"{n / 1e9:.1f} {'fits' if n < gpu else '**no**'}"  # noqa: E731
+    mark = lambda n: f"{n / 1e9:.1f} {'fits' if n <= usable else '**no**'}"  # noqa: E731
     lean = dict(param_dtype=torch.bfloat16, comm_dtype="int8", grad_dtype=torch.bfloat16, gather_dtype="int8")
     for params, machines in ((7e9, 2), (13e9, 2), (34e9, 4), (70e9, 8)):
         numel, world = int(params), 8 * machines
-        base = baselines(numel, world, torch.bfloat16, 8)
-        hsdp = next(v for k, v in base.items() if k.startswith("HSDP"))
-        acco = engine_memory(numel, world, **lean).peak_bytes  # type: ignore[arg-type]
-        hsdp_acco = engine_memory(numel, world, fsdp_shard=8, **lean).peak_bytes  # type: ignore[arg-type]
-        cells = " | ".join(mark(n) for n in (base["DDP"], base["ZeRO-1"], hsdp, acco, hsdp_acco))
+        base = [device_baseline(name, numel, world, torch.bfloat16, 8) for name in ("DDP", "ZeRO-1", "HSDP")]
+        acco = engine_memory(numel, world, **lean).device_bytes  # type: ignore[arg-type]
+        hsdp_acco = engine_memory(numel, world, fsdp_shard=8, **lean).device_bytes  # type: ignore[arg-type]
+        cells = " | ".join(mark(n) for n in (*base, acco, hsdp_acco))
         out.append(f"| {params / 1e9:.0f}B, {machines} x 8 | {cells} |")
+    return "\n".join(out) + "\n"
+
+
+def hsdp_70b_table() -> str:
+    """70B (Llama 2 70B's shape) with FSDP inside 8 machines of 8 GPUs of 80 GiB: what each setting leaves of the GPU
+    for the activations (``hf_acco.memory``'s ``device_bytes``), and whether a micro-batch of 1 or 2 sequences of
+    4096 tokens with gradient checkpointing fits in it (``model_shape.activation_bytes``, rough)."""
+    import torch
+
+    from hf_acco.tools.device_memory import groups_of_model
+    from hf_acco.tools.memory import GIB, engine_memory
+    from hf_acco.tools.model_shape import Shape, activation_bytes
+
+    shape = Shape(params=68_976_648_192, hidden=8192, layers=80, intermediate=28672, vocab=32000)
+    acts = [activation_bytes(shape, n * 4096, checkpointing=True) for n in (1, 2)]
+    lean = dict(param_dtype=torch.bfloat16, comm_dtype="int8", grad_dtype=torch.bfloat16, gather_dtype="int8",
+                fsdp_shard=8)  # fmt: skip
+    bf16, fp32 = torch.bfloat16, torch.float32
+    rows: list[tuple[str, int, dict[str, Any]]] = [
+        ("leanest (bf16 sums, int8 both ways), FSDP's bf16 reduce", 64, {}),
+        ("the same, FSDP reducing in fp32", 64, {"reduce_dtype": fp32}),
+        ("int4 changes in the all-gather", 64, {"gather_dtype": "int4"}),
+        ('`acco_schedule="sync"` (no round beside the compute)', 64, {"schedule": "sync"}),
+        ("16 machines of 8", 128, {}),
+    ]
+    out = [
+        "| setting (70B, 8 GPUs a machine) | on the GPU (GB) | left of 80 GiB (GB) "
+        f"| 1 x 4096 tokens, checkpointing ({acts[0] / 1e9:.1f} GB) | 2 x 4096 ({acts[1] / 1e9:.1f} GB) |",
+        "|---|---:|---:|---|---|",
+    ]
+    with torch.device("meta"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                             num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+        model = LlamaForCausalLM(config)
+    groups = groups_of_model(model, 8, "Llama 2 70B's config")
+    for name, world, change in rows:
+        settings = {**lean, "reduce_dtype": bf16, **change}
+        report = engine_memory(shape.params, world, fsdp_groups=groups, **settings)  # type: ignore[arg-type]
+        need = report.device_bytes
+        left = 80 * GIB - need
+        fits = [f"{'fits' if a <= left else '**no**'} ({(left - a) / 1e9:+.1f} GB)" for a in acts]
+        out.append(f"| {name} | {need / 1e9:.1f} | {left / 1e9:.1f} | {fits[0]} | {fits[1]} |")
     return "\n".join(out) + "\n"
 
 

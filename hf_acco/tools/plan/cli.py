@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from hf_acco.tools.cli_types import GPUS, NONNEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
-from hf_acco.tools.memory import GIB
+from hf_acco.tools.device_memory import GIB, MARGIN, margin_bytes
 from hf_acco.tools.plan import fsdp as _fsdp
 from hf_acco.tools.plan import model as _model
 from hf_acco.tools.plan.memory_fit import setting_bytes, what_would_fit
@@ -65,8 +65,15 @@ def _activations(args: argparse.Namespace, job: Job, checkpointing: bool | None 
     return activation_bytes(shape_from_config(args.config), job.micro_batch_tokens, ckpt)
 
 
+def usable_bytes(gpu_gib: float, activations: int) -> float:
+    """What a setting may take of a GPU of ``gpu_gib``: all of it when its memory counts the activations, else all
+    but the margin left for them (``memory.MARGIN`` of the GPU). The planner recommends nothing beyond it."""
+    return gpu_gib * GIB - (0 if activations else margin_bytes(gpu_gib))
+
+
 def _what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, activations: int, checkpointed: int | None) -> list:
-    """``what_would_fit`` with the activations counted; gradient checkpointing first when it alone would do."""
+    """``what_would_fit`` with the activations counted (``gpu_bytes``: ``usable_bytes``); gradient checkpointing
+    first when it alone would do."""
     fixes = what_would_fit(job, cluster, gpu_bytes - activations)
     if checkpointed is not None:
         need = setting_bytes("acco", job, cluster) + checkpointed
@@ -82,7 +89,7 @@ def report(
     """The planner's printout: the table at the stated settings (each method's memory per GPU beside it), the
     recommendation among the settings that fit, at the user's global batch; the formulas with ``explain``. With
     ``fsdp``: FSDP inside each node, Trainer's HSDP against ACCO across nodes (fsdp.py)."""
-    gpu_bytes = gpu_gib * GIB
+    gpu_bytes = usable_bytes(gpu_gib, activations)
     methods, names, step_job, step_cluster, memory = _mode(job, cluster, activations, fsdp)
     rows = [(names[m], {**predict(m[0], m[1], step_job, step_cluster, c), "memory_bytes": memory(m[0], step_job)})
             for m in methods]  # fmt: skip
@@ -115,15 +122,17 @@ def report(
             else "Memory per GPU: hf_acco.memory's peak (ZeRO-1: the engine's sync "
             "schedule; DDP: weights, fp32 gradients, master and Adam moments), "
         )
+        + "with FSDP's working set and an allowance for the CUDA context and NCCL, "
         + (
             f"with a micro-batch's activations (roughly {activations / 1e9:.1f} GB)."
             if activations
-            else "activations not counted (--config and --micro_batch_size add them)."
+            else f"activations not counted (--config and --micro_batch_size add them): a setting fits when it leaves "
+            f"{MARGIN:.0%} of the GPU ({margin_bytes(gpu_gib) / 1e9:.1f} GB) for them."
         ),
     ]
     over = [f"{name} needs {r['memory_bytes'] / 1e9:.1f} GB" for name, r in rows if r["memory_bytes"] >= gpu_bytes]
     if over:
-        lines.append(f"Over a GPU of {gpu_gib:g} GiB ({gpu_bytes / 1e9:.1f} GB): " + "; ".join(over) + ".")
+        lines.append(f"Over what a GPU of {gpu_gib:g} GiB allows ({gpu_bytes / 1e9:.1f} GB): " + "; ".join(over) + ".")
     if ch is None:
         fixes = _what_would_fit(job, cluster, gpu_bytes, activations, checkpointed)
         lines += ["", f"Nothing fits a GPU of {gpu_gib:g} GiB at these settings."]
@@ -131,7 +140,7 @@ def report(
             "Nor with bf16 sums, int8 on the wire, twice the machines or FSDP inside each machine."]  # fmt: skip
     else:
         lines.append("")
-        lines += _recommendation(step_job, step_cluster, c, ch, gpu_bytes, names, cluster if fsdp else None)
+        lines += _recommendation(step_job, step_cluster, c, ch, gpu_gib * GIB, names, cluster if fsdp else None)
     lines += ["", f"Constants (round / all-reduce): alpha {c.alpha_s['round'] * 1e6:.0f} / "
               f"{c.alpha_s['all_reduce'] * 1e6:.0f} us, efficiency {c.efficiency['round']:.2f} / "
               f"{c.efficiency['all_reduce']:.2f}; step overhead "
@@ -409,12 +418,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     methods, _, step_job, step_cluster, memory = _mode(job, cluster, activations, args.fsdp)
     predictions = {f"{m}:{a}": {**predict(m, a, step_job, step_cluster, c), "memory_bytes": memory(m, step_job)}
                    for m, a in methods}  # fmt: skip
+    gpu_bytes = usable_bytes(args.gpu_gib, activations)
     rec = recommend(step_job, step_cluster, c, ks=[job.micro_batches], methods=methods, memory=memory,
-                    gpu_bytes=args.gpu_gib * GIB)  # fmt: skip
+                    gpu_bytes=gpu_bytes)  # fmt: skip
     checkpointed = None if args.gradient_checkpointing or not activations else _activations(args, job, True)
-    gpu_bytes = args.gpu_gib * GIB
     fixes = _what_would_fit(job, cluster, gpu_bytes, activations, checkpointed) if rec["choice"] is None else []
-    out = {"constants": asdict(c), "gpu_gib": args.gpu_gib, "predictions": predictions,
+    out = {"constants": asdict(c), "gpu_gib": args.gpu_gib, "usable_bytes": gpu_bytes, "predictions": predictions,
            "recommendation": rec["choice"], "what_would_fit": fixes}  # fmt: skip
     if not args.quiet:
         print(json.dumps(out, indent=1) if args.json else report(job, cluster, c, gpu_gib=args.gpu_gib,

@@ -18,7 +18,8 @@ included): the same in every row. ACCO reduce-scatters inside the node every mic
 sharded gradients); Trainer's HSDP does so with ``sync_each_batch`` (without, it keeps unsharded gradients while
 accumulating: the whole model's gradients on every GPU). Paced accumulation is not available here (a node's GPUs
 compute the same micro-batches). Memory per GPU: ``hf_acco.memory --fsdp_shard g`` (HSDP: FSDP2's fp32 masters,
-gradients and moments over the node's GPUs).
+gradients and moments over the node's GPUs), each with FSDP's working set and the CUDA context's and NCCL's
+allowance.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hf_acco.tools.memory import baselines
+from hf_acco.tools.device_memory import device_baseline
 from hf_acco.tools.plan.memory_fit import setting_bytes
 from hf_acco.tools.plan.model import Cluster, Job
 
@@ -67,10 +68,7 @@ def memory(job: Job, cluster: Cluster, activations: int = 0) -> Any:
         full = replace(setting, params=job.params)
         if method == "ddp":
             param = torch.bfloat16 if job.param_bytes == 2 else torch.float32
-            hsdp = next(
-                v for k, v in baselines(int(job.params), cluster.gpus, param, g).items() if k.startswith("HSDP")
-            )
-            return hsdp + activations
+            return device_baseline("HSDP", int(job.params), cluster.gpus, param, g) + activations
         return setting_bytes(method, full, cluster, fsdp_shard=g) + activations
 
     return of

@@ -1,6 +1,8 @@
-"""Whether a setting of the planner fits the GPU: ``hf_acco.memory``'s figures per GPU (the peak: persistent
-buffers and the rounds' cached temporaries; activations are not counted, what is left is theirs), and what would
-make ACCO fit when nothing does."""
+"""Whether a setting of the planner fits the GPU: ``hf_acco.memory``'s figures per GPU (``device_bytes``: the
+persistent buffers, the rounds' cached temporaries, FSDP's working set where it shards the model, and the allowance
+for the CUDA context and NCCL; the activations are added by the caller where the model's shape is known), and what
+would make ACCO fit when nothing does. A setting fits when it leaves the margin: the activations when counted,
+else ``memory.MARGIN`` of the GPU."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from typing import Any
 
 import torch
 
-from hf_acco.tools.memory import baselines, engine_memory
+from hf_acco.tools.device_memory import device_baseline
+from hf_acco.tools.memory import engine_memory
 from hf_acco.tools.plan.model import CHANGES, INT8_BYTES, Cluster, Job
 
 
@@ -18,7 +21,7 @@ def setting_bytes(method: str, job: Job, cluster: Cluster, gpus: int | None = No
     numel, world = int(job.params), gpus or cluster.gpus
     param = torch.bfloat16 if job.param_bytes == 2 else torch.float32
     if method == "ddp":
-        return baselines(numel, world, param)["DDP"]
+        return device_baseline("DDP", numel, world, param)
     wire: torch.dtype | str = "int8" if job.grad_bytes == INT8_BYTES else {2: torch.bfloat16}.get(
         int(job.grad_bytes), torch.float32)  # fmt: skip
     settings: dict[str, Any] = dict(
@@ -26,7 +29,7 @@ def setting_bytes(method: str, job: Job, cluster: Cluster, gpus: int | None = No
         gather_dtype=CHANGES.get(job.gather_bytes or 0, "auto"), ranks_per_node=cluster.local,
     )  # fmt: skip
     settings.update(changes)
-    return engine_memory(numel, world, **settings).peak_bytes
+    return engine_memory(numel, world, **settings).device_bytes
 
 
 def what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, most_machines: int = 64) -> list[str]:
@@ -40,7 +43,7 @@ def what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, most_machines: 
     for name, changes in (("acco_grad_dtype='bf16' (bf16 sums)", {"grad_dtype": bf16}), (int8, lean)):
         need = setting_bytes("acco", job, cluster, **changes)
         if need < gpu_bytes:
-            out.append(f"{name}: {need / 1e9:.1f} GB per GPU ({(gpu_bytes - need) / 1e9:.1f} GB left for activations)")
+            out.append(f"{name}: {need / 1e9:.1f} GB per GPU ({(gpu_bytes - need) / 1e9:.1f} GB to spare)")
     g = cluster.local
     fsdp = {**lean, "fsdp_shard": g} if g > 1 else None
     for what, extra, start in (("", lean, cluster.nodes * 2), (" with FSDP inside each (README: Models larger than "
@@ -50,7 +53,7 @@ def what_would_fit(job: Job, cluster: Cluster, gpu_bytes: float, most_machines: 
             need = setting_bytes("acco", job, cluster, machines * g, **extra)
             if need < gpu_bytes:
                 out.append(f"{machines} machines of {g} GPUs{what}, {int8}: {need / 1e9:.1f} "
-                           f"GB per GPU ({(gpu_bytes - need) / 1e9:.1f} GB left for activations)")  # fmt: skip
+                           f"GB per GPU ({(gpu_bytes - need) / 1e9:.1f} GB to spare)")  # fmt: skip
                 break
             machines *= 2
     return out
