@@ -221,3 +221,38 @@ def test_a_load_that_fails_on_one_fsdp_shard_fails_on_every_rank() -> None:
     messages = run_ranks(_one_shard_fails, world_size=MACHINES * PER_MACHINE, timeout=120)
     assert messages[1] == "this rank's shard is bad"
     assert all("Another rank could not load" in m for r, m in enumerate(messages) if r != 1), messages
+
+
+def _round_groups(rank: int, world_size: int) -> dict:
+    """The groups the round's thread issued collectives on, and the gradient norm it clipped with."""
+    import threading
+
+    import torch.distributed as dist
+
+    from hf_acco.comm import communicator
+
+    used: set[int] = set()
+    original = dist.all_reduce
+
+    def all_reduce(*args, group=None, **kwargs):  # noqa: ANN001, ANN202
+        if threading.current_thread() is not threading.main_thread():
+            used.add(id(group))
+        return original(*args, group=group, **kwargs)
+
+    dist.all_reduce = communicator.dist.all_reduce = all_reduce  # (this forked rank only)
+    model, opt = _sharded()
+    norms = _steps(model, opt, rank, 0, 2)
+    comm = opt.comm
+    out = {"only": used <= {id(comm.group), id(comm.host_group), id(comm.weight_group)}, "norms": norms}
+    out.update(norm_on_gloo=id(comm.weight_group) in used and dist.get_backend(comm.weight_group) == "gloo")
+    opt.close()
+    return out
+
+
+def test_the_rounds_thread_drives_only_its_own_groups_and_the_norm_goes_over_gloo() -> None:
+    """With FSDP inside machines the global norm sums over the whole world: on the host, over the round's gloo
+    world group (``weight_group``), so that the round's thread drives one NCCL communicator, its group's, beside
+    FSDP's on the main thread; every rank clips with the same norm."""
+    runs = run_ranks(_round_groups, world_size=MACHINES * PER_MACHINE, timeout=300)
+    assert all(r["only"] and r["norm_on_gloo"] for r in runs), runs
+    assert all(r["norms"] == runs[0]["norms"] for r in runs) and runs[0]["norms"][-1] > 0

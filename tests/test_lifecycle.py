@@ -107,9 +107,30 @@ def test_only_an_nccl_round_group_gets_options() -> None:
     assert round_group_options("gloo") is None
 
 
+def test_the_rounds_ctas_are_capped_where_asked_and_a_bad_cap_is_refused(monkeypatch) -> None:
+    """HF_ACCO_ROUND_MAX_CTAS caps the round's NCCL communicators' CTAs (``ProcessGroupNCCL.Options.config``; a
+    stand-in for the options here: this torch build may have no NCCL); a value NCCL cannot take is refused, on
+    every backend, before any group is made."""
+    from types import SimpleNamespace
+
+    from hf_acco.comm.groups import MAX_CTAS, cap_ctas, round_max_ctas
+
+    options = SimpleNamespace(config=SimpleNamespace(max_ctas=-1))
+    monkeypatch.delenv(MAX_CTAS, raising=False)
+    assert round_max_ctas() is None and cap_ctas(options, round_max_ctas()).config.max_ctas == -1
+    monkeypatch.setenv(MAX_CTAS, "8")
+    assert cap_ctas(options, round_max_ctas()).config.max_ctas == 8
+    for bad in ("0", "65", "eight", "-4"):
+        monkeypatch.setenv(MAX_CTAS, bad)
+        with pytest.raises(ValueError, match="a whole number from 1 to 64"):
+            round_group_options("gloo")
+
+
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch build has no NCCL")
-def test_the_rounds_nccl_group_has_a_high_priority_stream() -> None:
+def test_the_rounds_nccl_group_has_a_high_priority_stream(monkeypatch) -> None:
     assert round_group_options("nccl").is_high_priority_stream
+    monkeypatch.setenv("HF_ACCO_ROUND_MAX_CTAS", "4")
+    assert round_group_options("nccl").config.max_ctas == 4
 
 
 def build_with_interface(rank: int, world_size: int, interface: str) -> str:

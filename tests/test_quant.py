@@ -111,6 +111,7 @@ def _two_level_reduce_scatter(rank: int, world_size: int, per_node: int) -> dict
     data = [_rows(1, layout.padded_numel, seed=r)[0] for r in range(world_size)]
     comm = Communicator(ranks_per_node=per_node)
     comm.use_int8_gradients()
+    sent.clear()  # (the one-number warm-ups of construction: nodes.warm_collectives)
     shard = torch.empty(layout.num_buckets, layout.chunk)
     comm.reduce_scatter(layout, data[rank].clone(), shard)
     nodes = world_size // per_node
@@ -181,6 +182,8 @@ def _train(
         communicator=Communicator(ranks_per_node=per_node),
         **HP,
     )
+    sent.clear()  # (the one-number warm-ups of construction: nodes.warm_collectives)
+    gathered.clear()
     params, held, losses, shards = [], [], [], []
     for t in range(steps):
         for i in range(MICRO):
@@ -411,29 +414,33 @@ def test_error_feedback_needs_int8_gradients() -> None:
 
 
 def _first_collectives(rank: int, world_size: int) -> dict:
-    """Where each of the two levels' groups had its first collective: on the main thread, while the engine was
-    being built (NCCL makes a group's communicator then), or later on the round's thread."""
+    """Where each collective of the round's group and of the two levels' groups first ran: on the main thread,
+    while the engine was being built (NCCL makes a group's communicator then, and each algorithm's connections at
+    its first use), or later on the round's thread."""
     import threading
 
     import torch.distributed as dist
 
+    from hf_acco.comm import communicator, exchange, nodes
     from hf_acco.comm.communicator import Communicator
 
-    first: dict[int, str] = {}
+    first: dict[tuple[int, str], str] = {}
     building = [True]
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single")}
 
-    def recording(name: str):  # noqa: ANN202
+    def recording(kind: str, original):  # noqa: ANN001, ANN202
         def call(*args, group=None, **kwargs):  # noqa: ANN001, ANN202
-            if group is not None and id(group) not in first:
+            if group is not None and (id(group), kind) not in first:
                 main = threading.current_thread() is threading.main_thread()
-                first[id(group)] = "construction" if main and building[0] else threading.current_thread().name
-            return originals[name](*args, group=group, **kwargs)
+                first[id(group), kind] = "construction" if main and building[0] else threading.current_thread().name
+            return original(*args, group=group, **kwargs)
 
         return call
 
-    for name in originals:
-        setattr(dist, name, recording(name))  # this forked rank only
+    # (this forked rank only) each name the package calls them by
+    dist.all_reduce = recording("all_reduce", dist.all_reduce)
+    dist.all_to_all_single = recording("all_to_all", dist.all_to_all_single)
+    nodes.REDUCE_SCATTER = communicator._reduce_scatter = recording("reduce_scatter", nodes.REDUCE_SCATTER)
+    exchange._all_gather = recording("all_gather", exchange._all_gather)
     model = tiny_llama()
     opt = ACCOOptimizer(model.parameters(), lr=1e-3, micro_batches=2, comm_dtype="int8",
                         communicator=Communicator(ranks_per_node=2))  # fmt: skip
@@ -443,12 +450,17 @@ def _first_collectives(rank: int, world_size: int) -> dict:
         opt.after_backward()
     opt.step()
     opt.synchronize()
-    levels = opt.comm.two_level
-    got = {"node": first.get(id(levels.node)), "rail": first.get(id(levels.rail))}
+    levels, group = opt.comm.two_level, opt.comm.group
+    got = {f"{name} {kind}": first.get((id(g), kind)) for name, g, kind in (
+        ("node", levels.node, "reduce_scatter"), ("rail", levels.rail, "all_to_all"),
+        ("round", group, "all_to_all"), ("round", group, "all_gather"))}  # fmt: skip
     opt.close()
     return got
 
 
-def test_the_two_levels_groups_are_set_up_while_the_engine_is_built_not_in_the_first_round() -> None:
+def test_every_collective_of_the_round_is_set_up_while_the_engine_is_built_not_in_the_first_round() -> None:
+    """The two levels' groups (int8 between 2 machines of 2) and the round's own group: each collective a round
+    issues there (the machine's reduce-scatter, the rail's all-to-all, the all-gather) ran first on the main thread
+    while the engine was built, so that NCCL sets its connections up there and not beside the compute."""
     for r in run_ranks(_first_collectives, world_size=4):
-        assert r == {"node": "construction", "rail": "construction"}, r
+        assert set(r.values()) == {"construction"}, r

@@ -28,6 +28,7 @@ INTERNAL = {
     ("hf_acco/comm/sharding.py", "an inconsistent layout record"): "a layout record checked after loading its shard",
     ("hf_acco/comm/sharding.py", "shards, got"): "split_to_shards' internal argument",
     ("hf_acco/comm/exchange.py", "all_gather_into:"): "buffer sizes the engine computes",
+    ("hf_acco/comm/nodes.py", "no such collective to warm"): "the communicator names the collectives it warms",
     ("hf_acco/comm/quant.py", "values travel in"): "the bit widths the engine passes",
     ("hf_acco/comm/quant.py", "a packed row of"): "buffer sizes the engine computes",
     ("hf_acco/comm/deltas.py", "reads parameters in place"): "the engine's own parameter views",

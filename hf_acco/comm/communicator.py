@@ -33,7 +33,9 @@ import torch.distributed as dist
 
 from hf_acco.comm import quant
 from hf_acco.comm.exchange import all_gather_into
+from hf_acco.comm.failures import PeerFailure, is_peer_failure
 from hf_acco.comm.groups import round_group_options
+from hf_acco.comm.nodes import REDUCE_SCATTER as _reduce_scatter
 from hf_acco.comm.nodes import (
     NodeGroups,
     destroy_groups,
@@ -43,37 +45,12 @@ from hf_acco.comm.nodes import (
     node,
     node_groups,
     partition_of,
-    warm_groups,
+    round_collectives,
+    warm_collectives,
 )
 from hf_acco.comm.sharding import FlatLayout
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 REDUCE_SCATTER_SPELLINGS = ("auto", "native", "all_to_all")
-
-
-class PeerFailure(RuntimeError):
-    """A collective of an ACCO round failed: a peer rank died, or stopped answering until the timeout."""
-
-
-# what gloo and NCCL say when a peer process is gone or hung (DistError subclasses are matched by type)
-PEER_ERRORS = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Broken pipe",  # a write to a peer that has gone (gloo's writev)
-    "Socket Timeout",
-    "Timed out waiting",
-    "remote process exited",
-    "Watchdog caught collective operation timeout",
-)
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """Whether ``error`` says that another rank died or stopped answering (not this rank's own failure, such as
-    an out-of-memory error or a CUDA error, which must surface as itself)."""
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
-        return False  # this rank's own, also when NCCL reports it (e.g. setting up the round's communicator)
-    return isinstance(error, (PeerFailure, dist.DistError)) or any(m in str(error) for m in PEER_ERRORS)
 
 
 class Communicator:
@@ -118,6 +95,7 @@ class Communicator:
         if reduce_scatter == "auto":
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
+        self._warm()
         self.max_inflight = max(1, max_inflight)
         self.in_round = False  # a round of this communicator is running (on the background thread)
 
@@ -139,16 +117,8 @@ class Communicator:
                 raise
             raise RuntimeError(gloo_failure(e)) from e
         self.backend = dist.get_backend(self.group)
-        # The gradient's global norm sums every rank's part of it: over the round's group, or, when the ranks of
-        # that group hold one FSDP shard of the model (a part of the world), over the whole world (its own group: the
-        # round's thread never shares a group with the main thread's collectives)
-        self.norm_group = self.group
         self.weight_group: dist.ProcessGroup | None = None
-        if self._parts is not None:
-            self.norm_group = dist.new_group(None, timeout=timeout, pg_options=options())
-            warm_groups(backend, self.norm_group)  # (NCCL: its communicator made here, not on the round's thread)
-            # each rank's gradient is its machine's average (FSDP), so a round divides by the world's weight over
-            # the parts: every part the same divisor (the same branch where it is 0), whatever each rank's tokens
+        if self._parts is not None:  # (a world-wide gloo group of the round's: the norm and the weight, see them)
             self.weight_group = dist.new_group(None, timeout=timeout, backend="gloo")
         # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
         # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
@@ -160,6 +130,10 @@ class Communicator:
                 raise RuntimeError(gloo_failure(e)) from e
         atexit.register(self._destroy_at_exit)
         self.destroyed = False
+
+    def _warm(self) -> None:  # every collective of the round, on the main thread (nodes.warm_collectives)
+        if not self.local_copies:
+            warm_collectives(self.backend, self.group, round_collectives(self.backend, self.reduce_scatter_spelling))
 
     @property
     def part(self) -> tuple[int, int] | None:
@@ -194,6 +168,7 @@ class Communicator:
         """New groups after ``destroy`` (collective, like the constructor)."""
         if self.destroyed:
             self._make_groups(self.backend)
+            self._warm()
             if self.quantized_gradients:
                 self._make_node_groups()
 
@@ -214,7 +189,8 @@ class Communicator:
         ranks = self._ranks if self._ranks is not None else list(range(dist.get_world_size()))
         options = lambda: round_group_options(self.backend, self.timeout)  # one object per group
         self.two_level = node_groups(ranks, self.rank, nodes, per_node, self.timeout, options)
-        warm_groups(self.backend, self.two_level.node, self.two_level.rail)
+        warm_collectives(self.backend, self.two_level.node, ("reduce_scatter",))  # (its machine's sum)
+        warm_collectives(self.backend, self.two_level.rail, ("all_to_all",))  # (int8 between machines)
 
     def _destroy_at_exit(self) -> None:
         """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at
@@ -227,7 +203,7 @@ class Communicator:
             if self.two_level is not None:
                 self.two_level.destroy()
                 self.two_level = None
-            destroy_groups(self.host_group, self.norm_group, self.weight_group, self.group)
+            destroy_groups(self.host_group, self.weight_group, self.group)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
 
@@ -264,8 +240,14 @@ class Communicator:
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def all_reduce_norms(self, tensor: torch.Tensor) -> None:
-        """The sum over every rank holding a part of the gradient (see ``norm_group``) of ``tensor``."""
-        dist.all_reduce(tensor, group=self.norm_group)
+        """The sum of ``tensor`` over every rank holding a part of the gradient: the round's group, or, where it
+        holds one FSDP shard, the world's, on the host (gloo): the round's thread drives one NCCL communicator."""
+        if self.weight_group is None:
+            dist.all_reduce(tensor, group=self.group)
+            return
+        host = tensor.cpu()
+        dist.all_reduce(host, group=self.weight_group)
+        tensor.copy_(host)
 
     def all_reduce_counts(self, counts: Sequence[float]) -> list[float]:
         """The sums over ranks of a few numbers, on the host group (no device memory, no device sync)."""

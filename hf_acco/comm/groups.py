@@ -60,17 +60,43 @@ def end_training(accelerator: Any, trainer: Any = None) -> None:
     accelerator.end_training()
 
 
+MAX_CTAS = "HF_ACCO_ROUND_MAX_CTAS"  # caps the CTAs (channels) of the round's NCCL communicators (docs/tuning.md)
+
+
+def round_max_ctas() -> int | None:
+    """The cap on the CTAs of the round's NCCL communicators (``HF_ACCO_ROUND_MAX_CTAS``), None when unset: NCCL
+    then picks (up to 32 or 64 thread blocks, each on an SM the compute and FSDP's collectives also want)."""
+    value = os.environ.get(MAX_CTAS, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(
+            f"{MAX_CTAS}={value!r}: the most CTAs (thread blocks, one per NCCL channel) the round's collectives may "
+            "take, a whole number from 1 to 64 (4 to 8 is usual), the same on every machine; unset it for NCCL's own."
+        )
+    return int(value)
+
+
+def cap_ctas(options: Any, cap: int | None) -> Any:
+    """``options`` (``ProcessGroupNCCL.Options``) with ``config.max_ctas = cap`` where a cap is set."""
+    if cap is not None:
+        options.config.max_ctas = cap
+    return options
+
+
 def round_group_options(backend: str, timeout: datetime.timedelta | None = None) -> Any:
     """Options of the round's own process group: on NCCL its stream gets high priority, so that the round's
     collectives are scheduled ahead of the compute kernels queued beside them (the round is what hides behind
-    compute; a collective held back by a queue of compute kernels holds up every rank)."""
+    compute; a collective held back by a queue of compute kernels holds up every rank); its CTAs capped where
+    ``HF_ACCO_ROUND_MAX_CTAS`` says (the round's kernels then leave the compute more SMs)."""
+    cap = round_max_ctas()  # (refused alike on every backend, before any group is made)
     if backend != "nccl" or not dist.is_nccl_available():
         return None
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
     if timeout is not None:  # else torch warns that the options' own (10 min) and the group's timeouts differ
         options._timeout = timeout
-    return options
+    return cap_ctas(options, cap)
 
 
 def warn_if_one_hardware_queue(device: torch.device) -> None:

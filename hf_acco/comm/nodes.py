@@ -23,12 +23,16 @@ import datetime
 import os
 import socket
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hf_acco.comm.exchange import all_gather_into
+
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def machines(world_size: int, ranks_per_node: int | None = None) -> tuple[int, int]:
@@ -102,15 +106,35 @@ def launcher_layout_agreed(rank: int, host_group: Any) -> bool:
     return largest == smallest and not off
 
 
-def warm_groups(backend: str, *groups: Any) -> None:
-    """One collective on each of ``groups``, here, on the calling (main) thread: NCCL makes a group's communicator
-    at its first collective, and the first round's, on the round's thread and stream beside the compute, would
-    otherwise pay for it (a rendezvous of every member, seconds at scale) and be the first to see a setup failure.
-    A gloo group connects when it is made: for it this is one all-reduce of one number. Collective: every rank, at
-    the same point (the engine's construction, ``reopen``)."""
+def warm_collectives(backend: str, group: Any, kinds: Sequence[str]) -> None:
+    """One small collective of each of ``kinds`` ("all_reduce", "all_gather", "all_to_all", "reduce_scatter") on
+    ``group``, here, on the calling (main) thread. NCCL makes a group's communicator at its first collective, and
+    (lazy connection, NCCL 2.22 on) each algorithm's connections at their first use, the all-to-all's point-to-point
+    ones included: the round's thread would otherwise set them up beside the compute and FSDP's own collectives (a
+    rendezvous of every member, seconds at scale) and be the first to see a setup failure. A gloo group connects when
+    it is made: there this costs a few small messages. Collective: every rank, at the same point (the engine's
+    construction, ``reopen``)."""
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    for group in groups:
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    one, many = torch.zeros(1, device=device), torch.zeros(group.size(), device=device)
+    for kind in kinds:
+        if kind == "all_reduce":
+            dist.all_reduce(one, group=group)
+        elif kind == "all_gather":
+            all_gather_into(many, one, group, point_to_point=False).wait()
+        elif kind == "all_to_all":
+            dist.all_to_all_single(torch.empty_like(many), many, group=group)
+        elif kind == "reduce_scatter":
+            REDUCE_SCATTER(one, many, group=group)
+        else:
+            raise ValueError(f"no such collective to warm: {kind!r}")
+
+
+def round_collectives(backend: str, spelling: str) -> tuple[str, ...]:
+    """The collectives a round issues on its group: the all-gather, the all-to-all (gloo's reduce-scatter, and int8
+    gradients' on every backend), the native reduce-scatter (NCCL's, or gloo's where asked for), the norm's
+    all-reduce where the group is the world's."""
+    native = ("reduce_scatter",) if backend == "nccl" or spelling == "native" else ()
+    return ("all_reduce", "all_gather", "all_to_all", *native)
 
 
 def partition_of(ranks: list[int] | None) -> list[list[int]] | None:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_acco.comm.communicator import PeerFailure, node
+from hf_acco.comm.communicator import node
+from hf_acco.comm.failures import PeerFailure
 from hf_acco.comm.groups import every_rank
 from hf_acco.engine.checkpoint import (
     _part_folders,

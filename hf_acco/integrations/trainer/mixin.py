@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from hf_acco.comm.communicator import is_peer_failure
+from hf_acco.comm.failures import is_peer_failure
 from hf_acco.comm.groups import agreed_key
 from hf_acco.engine.checkpoint import fsdp_sharding_mismatch
 from hf_acco.engine.core import ACCOOptimizer
