@@ -12,6 +12,7 @@ import hf_acco.engine.buffers
 from hf_acco import ACCOOptimizer
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.packing import packed_round_saves
+from hf_acco.engine.runner import ROUND_THREAD
 from hf_acco.tools.multiprocess import run_ranks
 
 from .models import batch, decay_groups, mean_loss, tiny_llama
@@ -109,3 +110,44 @@ def test_the_packed_buffer_is_used_where_it_holds_fewer_bytes(ranks: int, dtype:
     int8 rows (1 + 4/256 bytes an element) plus a shard gradient of its own (4/4) take a little more than its 2."""
     layout = FlatLayout([torch.empty(1 << 20, device="meta")], ["all"], [0], ranks, 1 << 16)
     assert packed_round_saves(layout, dtype, dtype, dtype) is packed
+
+
+def _packing_threads(rank: int, world_size: int, delay: float) -> dict:
+    """Which thread quantised the sums into the round's buffer at each hand-over, each pack held back by ``delay``
+    seconds (a writer of the sums that did not wait for it, half B's first gradients, would overtake it)."""
+    import threading
+    import time
+
+    from hf_acco.comm.deltas import PackedRound
+
+    threads: list[str] = []
+    pack = PackedRound.pack_sums
+
+    def recorded(self, buf, sums, wire):  # noqa: ANN001, ANN202
+        threads.append(threading.current_thread().name)
+        time.sleep(delay)
+        return pack(self, buf, sums, wire)
+
+    PackedRound.pack_sums = recorded  # (this forked rank only)
+    model = _model(torch.bfloat16)
+    opt = _engine(model, {"grad_dtype": "bf16", "gather_dtype": "int8"})
+    out: dict = {"held": [], "committed": []}
+    _steps(opt, model, rank, 0, 3, out)
+    with opt.committed_parameters():
+        final = _flat(model)
+    packed = opt.buffers.packed is not None
+    opt.close()
+    return {"threads": threads, "packed": packed, "held": out["held"], "final": final}
+
+
+def test_the_round_packs_the_sums_on_its_own_thread_and_stream_with_the_same_bits() -> None:
+    """The hand-over lends the sums to the round (``handover.LentSums``): the round quantises them into its buffer
+    first thing, on its thread and (on CUDA) its stream, off the main thread's critical path; the next writer of the
+    sums waits for it. A slow pack changes no bit."""
+    quick, slow = (run_ranks(_packing_threads, world_size=2, delay=d) for d in (0.0, 0.05))
+    for r in quick + slow:
+        assert r["packed"] and set(r["threads"]) == {ROUND_THREAD} and len(r["threads"]) == 6, r["threads"]
+    for a, b in zip(quick, slow):
+        assert all(torch.equal(x, y) for x, y in zip(a["held"] + [a["final"]], b["held"] + [b["final"]]))
+    assert torch.equal(quick[0]["final"], quick[1]["final"])
+    assert not torch.equal(quick[0]["final"], _flat(_model(torch.bfloat16)))  # it trained

@@ -313,7 +313,8 @@ class BufferPair:
 
     def hand_over(self, swap: bool) -> tuple[torch.Tensor, LentSums | None]:
         """Give ``accum``'s sums to the next round: the buffer the round will own (``wire``), and the copy of the
-        sums the round makes first (``LentSums.take``; None: nothing to copy, or copied here).
+        sums the round makes first (``LentSums.take``: cast into the wire's dtype, or packed into int8 rows; None:
+        nothing to copy).
 
         ``swap``: the step's sums go (accumulation restarts from zero); else half B goes on accumulating on top of
         them. Call ``restart`` after the round is launched (on CUDA its ready event is recorded first)."""
@@ -323,8 +324,10 @@ class BufferPair:
         accum, wire = self._accum, self.wire
         if not self.separate:
             return wire, None
-        if self.packed is not None:  # quantised into the round's buffer (a swap restarts ``accum`` from zero)
-            self.packed.pack_sums(wire, accum, self.comm_dtype)
+        if self.packed is not None:  # quantised into the round's buffer by the round, first thing on its stream
+            packed, wire_dtype = self.packed, self.comm_dtype
+            self._lent = LentSums(lambda: packed.pack_sums(wire, accum, wire_dtype), self.device)
+            return wire, self._lent  # (a swap restarts ``accum`` from zero once the round has read it: ``restart``)
         elif swap and self.swappable:  # the round takes the sums; the main thread restarts from the old buffer
             self.wire, self._accum = accum, wire
             self.grad_views = self._views_of[id(self._accum)]

@@ -181,10 +181,11 @@ def engine_memory(
     if schedule == "sync":  # no estimate round
         round_pool.pop("round: Adam estimate windows")
     temporaries = {"main thread at a step boundary (no shard-sized copy)": 0}
-    if packed:  # quantising the sums (a row rounded to the wire's dtype, its fp32 copy), adding the changes
-        row = quant.num_blocks(layout.chunk) * quant.BLOCK
-        temporaries["main thread at a step boundary: packing the sums, adding the changes (a chunk's)"] = (
-            row * fp32 + layout.chunk * max(comm_dtype.itemsize, param_dtype.itemsize)
+    if packed:  # the round quantises the sums (a row rounded to the wire's dtype, its fp32 copy); the boundary adds
+        row = quant.num_blocks(layout.chunk) * quant.BLOCK  # the changes (a row dequantised, rounded to the model's)
+        round_pool["round: packing the sums (a row's)"] = row * fp32 + layout.chunk * comm_dtype.itemsize
+        temporaries["main thread at a step boundary: adding the changes (a row's)"] = (
+            row * fp32 + layout.chunk * param_dtype.itemsize
         )
     fsdp = device_memory.working_set(groups, param_dtype, reduce_dtype or param_dtype) if groups is not None else {}
     host = {}
