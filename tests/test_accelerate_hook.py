@@ -331,3 +331,42 @@ def test_prepare_acco_keeps_buffers_and_unused_parameters_as_ddp(broadcast: bool
     for r in range(2):
         assert rel(ours[r]["buffers"], ddp[r]["buffers"]) < 1e-5
         assert rel(ours[r]["params"], ddp[r]["params"]) < 1e-5
+
+
+def _boundary_copy(rank: int, world_size: int, asked: bool | None) -> dict:
+    """prepare_acco under FSDP inside 2 machines of 2: whether the engine keeps the pinned host copy of the
+    boundary's shard, and what a save in the middle of a step (after the half boundary moved the model) does."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from .fsdp_cpu import allow_fsdp_on_cpu
+
+    allow_fsdp_on_cpu()
+    set_seed(0)
+    shape = ParallelismConfig(dp_replicate_size=2, dp_shard_size=world_size // 2)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, parallelism_config=shape,
+                              fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))  # fmt: skip
+    extra = {} if asked is None else {"boundary_copy": asked}
+    model, optimizer = prepare_acco(accelerator, tiny_llama(), lr=1e-2, **extra)
+    for i in range(2 * ACCUM - 1):  # one step, then past the next one's half boundary: the model has moved on
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch(accelerator.process_index, i)).loss)
+            optimizer.step()
+    engine = optimizer.optimizer
+    try:
+        engine.state_dict()
+        mid_step = "saved"
+    except RuntimeError as e:
+        mid_step = str(e)
+    engine.close()
+    return {"copy": engine._boundary_copy, "mid_step": mid_step}
+
+
+def test_under_fsdp_a_hand_written_loop_keeps_no_pinned_boundary_copy_unless_asked() -> None:
+    """The pinned host copy of each GPU's shard at every step boundary (what a save in the middle of an acco step
+    needs) is opt-in under FSDP inside machines (70B on 8 x 8: 32 GiB pinned a machine); without it such a save
+    says what to do, on every rank; with ``boundary_copy=True`` it saves."""
+    default = run_ranks(_boundary_copy, world_size=4, backend=None, asked=None)
+    assert all(not r["copy"] and "boundary_copy=True" in r["mid_step"] for r in default), default
+    asked = run_ranks(_boundary_copy, world_size=4, backend=None, asked=True)
+    assert all(r["copy"] and r["mid_step"] == "saved" for r in asked), asked

@@ -35,7 +35,7 @@ class Allocations(TorchDispatchMode):
         return out
 
 
-BOUNDARY = "acco: the boundary's model shard (model dtype, pinned; not under ACCOTrainer)"
+BOUNDARY = "acco: the boundary's model shard (model dtype, pinned; hand-written loops, opt-in under FSDP)"
 ESTIMATE = "round: Adam estimate windows"
 
 

@@ -177,7 +177,9 @@ def prepare_acco(
     engine's rounds run across machines (docs/hsdp.md); ``accumulation`` must be ``"fixed"``. ``save_state`` then
     writes Accelerate's FSDP model files with the parameters the model holds (with ``schedule="acco"`` the
     estimate; for the committed ones, ``accelerator.get_state_dict(model)`` inside
-    ``optimizer.optimizer.committed_parameters()``) and the engine's shards in a folder per FSDP shard.
+    ``optimizer.optimizer.committed_parameters()``) and the engine's shards in a folder per FSDP shard. Call
+    ``save_state`` at a step boundary (after the window's last ``optimizer.step()``); for a save in the middle of a
+    step pass ``boundary_copy=True`` (a pinned host copy of each GPU's shard of the model at every step boundary).
     """
     check_world_size(accelerator.num_processes)
     ensure_process_group(accelerator.device)
@@ -189,6 +191,9 @@ def prepare_acco(
         model = fsdp.shard_within_machines(accelerator, model)
         accelerator._models.append(model)  # as prepare() registers it: save_state/load_state write and read it
         acco_kwargs.setdefault("group", fsdp.replicate_group(accelerator))
+        # no pinned host copy of the boundary's shard unless asked for (a mid-step save_state needs it): a GPU's
+        # engine shard in the model's dtype, pinned, on every GPU (70B on 8 x 8: 32 GiB a machine)
+        acco_kwargs.setdefault("boundary_copy", False)
         fsdp.sync_every_micro_batch(accelerator)
     else:
         model = accelerator.prepare_model(model, evaluation_mode=True)  # autocast and placement; ACCO averages

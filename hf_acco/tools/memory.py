@@ -190,7 +190,7 @@ def engine_memory(
     fsdp = device_memory.working_set(groups, param_dtype, reduce_dtype or param_dtype) if groups is not None else {}
     host = {}
     if schedule == "acco" and boundary_copy:  # (ACCOTrainer saves at step boundaries only: it keeps none)
-        host["acco: the boundary's model shard (model dtype, pinned; not under ACCOTrainer)"] = (
+        host["acco: the boundary's model shard (model dtype, pinned; hand-written loops, opt-in under FSDP)"] = (
             shard * param_dtype.itemsize
         )
     host_transient = {
@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         numel, args.world_size, param_dtype=param, comm_dtype=wire, grad_dtype=grad, schedule=args.schedule,
         optimizer=args.optimizer, gather_dtype=args.gather_dtype, ranks_per_node=args.gpus_per_node,
         error_feedback=args.error_feedback, fsdp_shard=args.fsdp_shard, fsdp_groups=groups, reduce_dtype=reduce,
+        boundary_copy=args.fsdp_shard == 1,  # (under FSDP, kept only when asked for: prepare_acco's default)
     )  # fmt: skip
     settings = {"param_dtype": args.param_dtype, "comm_dtype": _name(wire), "grad_dtype": args.grad_dtype}
     settings.update(gather_dtype=args.gather_dtype, error_feedback=args.error_feedback)
