@@ -292,6 +292,19 @@ def accumulation_kernels(args: argparse.Namespace) -> dict:
         return json.loads(file.read_text())
 
 
+def packed_round(args: argparse.Namespace) -> dict:
+    """``benchmarks/packed_round.py`` on this device, in a process of its own (its result, or its error): the packed
+    round's passes at a step boundary beside the exact path's, timed with CUDA events."""
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "packed.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "packed_round.py"), "--device", args.device,
+               "--out", str(file), *(["--tiny"] if args.tiny else [])]  # fmt: skip
+        done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+        if done.returncode or not file.exists():
+            return {"error": done.stderr[-3000:]}
+        return json.loads(file.read_text())
+
+
 def verdicts(runs: dict[str, dict]) -> dict:
     base = runs.get("trainer_bf16")
     out: dict = {}
@@ -429,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         write()
     if not args.skip_kernels:  # last, seconds: the hook's kernel and its alternatives (accumulate_kernels.py)
         result["accumulation_kernels"] = accumulation_kernels(args)
+        result["packed_round"] = packed_round(args)  # the packed round's boundary passes (packed_round.py)
         write()
     write()
     print(table(result))

@@ -538,3 +538,119 @@ def test_cuda_training_with_the_triton_kernels_gives_the_same_parameters(fsdp: b
     assert runs["torch"]["kernel_calls"] == 0 and 0 < runs["triton"]["kernel_calls"] <= every
     assert fsdp or runs["triton"]["kernel_calls"] == every  # (FSDP's local shards could be strided: torch's op)
     assert all(torch.equal(a, b) for a, b in zip(runs["torch"]["params"], runs["triton"]["params"]))
+
+
+# ---- 4 GPUs as 2 machines x 2: FSDP's NCCL collectives inside each "machine", the rounds across ------------------
+
+FOUR_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 4,
+    reason="needs 4 GPUs (2 machines x 2: FSDP2's NCCL all-gathers and reduce-scatters inside each, ACCO's rounds "
+    "across); `make gpu-check` runs it where there are",
+)
+
+
+class _RandomlyDelayed(DelayedCommunicator):
+    """Each round's reduce-scatter and all-gather held back by a random 0-30 ms, drawn per rank (seeded): the rounds
+    end at other times on every rank and step, against FSDP's collectives on the main thread."""
+
+    def __init__(self, seed: int, **kwargs) -> None:  # noqa: ANN003
+        import random
+
+        super().__init__(0.0, **kwargs)
+        self._random = random.Random(seed)
+
+    def reduce_scatter(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        import time
+
+        time.sleep(self._random.uniform(0.0, 0.03))
+        super().reduce_scatter(*args, **kwargs)
+
+    def all_gather(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        import time
+
+        time.sleep(self._random.uniform(0.0, 0.03))
+        super().all_gather(*args, **kwargs)
+
+
+def cuda_hsdp_train(
+    rank: int, world_size: int, delayed: bool, settings: dict, dtype: str = "float32", device: str = "cuda"
+) -> dict:
+    """A tiny Llama sharded by FSDP2 over each machine's 2 GPUs (NCCL), the engine over the machines (the replicate
+    group); ``delayed``: every round held back at random. ``device="cpu"``: the same on gloo ranks (a smoke run of
+    this function where there is no GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_acco.comm.communicator import Communicator
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    mesh = init_device_mesh(device, (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = tiny_llama().to(getattr(torch, dtype)).to(device)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    group = mesh.get_group("dp_replicate")
+    comm = _RandomlyDelayed(rank, group=group) if delayed else Communicator(group=group)
+    opt = ACCOOptimizer(decay_groups(model, 0.1), micro_batches=MICRO, max_grad_norm=0.5, communicator=comm,
+                        **settings, **HP)  # fmt: skip
+    for t in range(STEPS):
+        for i in range(MICRO):
+            b = {k: v.to(device) for k, v in batch(rank, t * MICRO + i).items()}
+            mean_loss(model, b)[0].float().backward()
+            opt.after_backward()
+        opt.step()
+    with opt.committed_parameters():
+        full = [p.full_tensor().detach().cpu().clone() for p in model.parameters()]
+    out = {"full": full, "packed": opt.buffers.packed is not None, "norm": opt.last_commit.grad_norm}
+    opt.close()
+    return out
+
+
+def _hsdp_runs(settings: dict, dtype: str = "float32") -> tuple[list[dict], list[dict]]:
+    return tuple(  # type: ignore[return-value]
+        run_ranks(
+            cuda_hsdp_train,
+            world_size=4,
+            backend="nccl",
+            start_method="spawn",
+            timeout=300,
+            delayed=d,
+            settings=settings,
+            dtype=dtype,
+        )  # fmt: skip
+        for d in (False, True)
+    )
+
+
+@FOUR_GPUS
+def test_cuda_fsdp_inside_2_machines_of_2_matches_the_reference_whatever_the_round_timing() -> None:
+    """FSDP2's collectives on NCCL inside each machine, the rounds across, every round delayed at random: the same
+    parameters bit for bit as undelayed rounds on every rank (no stream or thread ordering missing between FSDP's
+    streams, the hooks' and the round's), and the single-process reference's (the global mean, the global norm)."""
+    quick, delayed = _hsdp_runs({})
+    for a, b in zip(quick, delayed):
+        assert all(torch.equal(x, y) for x, y in zip(a["full"], b["full"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["full"], quick[0]["full"]))
+    model = tiny_llama()
+    ref = Reference(model, decay_groups(model, 0.1), torch.optim.AdamW, 0.5, mean_loss, **HP)
+    half = MICRO // 2
+    plan = [[([batch(r, t * MICRO + i) for i in range(half)], [batch(r, t * MICRO + i) for i in range(half, MICRO)])
+             for r in range(4)] for t in range(STEPS)]  # fmt: skip
+    assert relative_error(quick[0]["full"], run_acco(ref, plan)[-1]) < 1e-4
+
+
+@FOUR_GPUS
+def test_cuda_fsdp_inside_machines_with_the_packed_round_is_the_same_whatever_the_round_timing() -> None:
+    """A bf16 model, bf16 sums, int8 both ways between the machines: the round's buffer is int8 rows (packed by the
+    round on its stream), and the parameters are the same bit for bit whether the rounds are quick or delayed at
+    random, on every rank; the model trained."""
+    settings = {"grad_dtype": "bf16", "comm_dtype": "int8", "gather_dtype": "int8"}
+    quick, delayed = _hsdp_runs(settings, dtype="bfloat16")
+    assert all(r["packed"] for r in quick)
+    for a, b in zip(quick, delayed):
+        assert all(torch.equal(x, y) for x, y in zip(a["full"], b["full"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["full"], quick[0]["full"]))
+    start = [p.detach().to(torch.bfloat16) for p in tiny_llama().parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(quick[0]["full"], start))

@@ -35,6 +35,8 @@ def test_the_gpu_check_runs_every_method_and_writes_its_results_file(tmp_path: P
     kernels = result["accumulation_kernels"]["variants"]  # the hook's kernel and its alternatives, timed
     assert {"add_", "add_float", "copy_", "bf16_add_"} <= set(kernels) and kernels["add_float"]["equals_add_"]
     assert all(v["ms"] > 0 for v in kernels.values()) and "Accumulating one micro-batch" in done.stdout
+    packed = result["packed_round"]["passes"]  # the packed round's boundary passes beside the exact path's
+    assert set(packed) == {"pack_sums", "cast_copy", "apply", "load"} and all(v["ms"] > 0 for v in packed.values())
 
 
 def test_without_a_gpu_the_default_says_what_to_run_instead(tmp_path: Path) -> None:
