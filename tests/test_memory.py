@@ -457,14 +457,17 @@ def test_70b_on_8_by_8_with_fsdp_inside_counts_fsdps_working_set_and_says_what_i
     assert "assumed: shaped like Llama 2 70B" in text
     memory.main(["--params", "70e9", *lean, "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert len(out["fsdp"]) == 5 and out["fsdp_bytes"] == sum(out["fsdp"].values()) > 8e9  # ~5 layers of 1.7 GB
+    assert len(out["fsdp"]) == 6 and out["fsdp_bytes"] == sum(out["fsdp"].values()) > 8e9  # ~5 layers of 1.7 GB
     held = out["persistent_bytes"] + out["round_pool_bytes"] + max(out["temporaries"].values())
     assert out["peak_bytes"] == held + out["fsdp_bytes"]
     assert out["left_for_activations_bytes"] == 80 * 2**30 - out["peak_bytes"] - sum(out["runtime"].values())
     assert out["fits_with_margin"] == (out["left_for_activations_bytes"] >= out["margin_bytes"] == 8 * 2**30)
     memory.main(["--params", "70e9", *lean, "--json", "--fsdp_reduce_dtype", "fp32"])
     fp32_reduce = json.loads(capsys.readouterr().out)
-    assert fp32_reduce["fsdp_bytes"] - out["fsdp_bytes"] == max(out["fsdp"].values()) // 2  # a layer's 2 more bytes
+    layer = out["fsdp"]["FSDP: the group being computed, unsharded (model dtype)"] // 2  # elements
+    more = {k: fp32_reduce["fsdp"][k] - v for k, v in zip(fp32_reduce["fsdp"], out["fsdp"].values())}
+    assert more[next(k for k in more if k.startswith("FSDP: reduce-scatter input"))] == 2 * layer  # 2 more bytes
+    assert more[next(k for k in more if k.startswith("FSDP: reduce-scatter output"))] == -(-layer // 8) * 4  # + cast
 
     config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                          num_key_value_heads=8, vocab_size=32000)  # fmt: skip

@@ -451,16 +451,17 @@ def _first_collectives(rank: int, world_size: int) -> dict:
     opt.step()
     opt.synchronize()
     levels, group = opt.comm.two_level, opt.comm.group
-    got = {f"{name} {kind}": first.get((id(g), kind)) for name, g, kind in (
-        ("node", levels.node, "reduce_scatter"), ("rail", levels.rail, "all_to_all"),
-        ("round", group, "all_to_all"), ("round", group, "all_gather"))}  # fmt: skip
+    names = {id(levels.node): "node", id(levels.rail): "rail", id(group): "round"}
+    got = {f"{names.get(g, 'other')} {kind}": where for (g, kind), where in first.items()}
     opt.close()
     return got
 
 
 def test_every_collective_of_the_round_is_set_up_while_the_engine_is_built_not_in_the_first_round() -> None:
-    """The two levels' groups (int8 between 2 machines of 2) and the round's own group: each collective a round
-    issues there (the machine's reduce-scatter, the rail's all-to-all, the all-gather) ran first on the main thread
-    while the engine was built, so that NCCL sets its connections up there and not beside the compute."""
+    """The two levels' groups (int8 between 2 machines of 2) and the round's own group: every collective a round
+    issues (the machine's reduce-scatter, the rail's all-to-all, the all-gather) ran first on the main thread while
+    the engine was built, at a bucket's size, so that NCCL sets its connections up there and not beside the
+    compute; none was first issued on the round's thread."""
     for r in run_ranks(_first_collectives, world_size=4):
+        assert {"node reduce_scatter", "rail all_to_all", "round all_gather"} <= set(r), r
         assert set(r.values()) == {"construction"}, r

@@ -95,7 +95,7 @@ class Communicator:
         if reduce_scatter == "auto":
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
-        self._warm()
+        self._warm_at: tuple[int, torch.dtype] | None = None  # a round's bucket: elements, dtype (prepare_rounds)
         self.max_inflight = max(1, max_inflight)
         self.in_round = False  # a round of this communicator is running (on the background thread)
 
@@ -131,9 +131,24 @@ class Communicator:
         atexit.register(self._destroy_at_exit)
         self.destroyed = False
 
-    def _warm(self) -> None:  # every collective of the round, on the main thread (nodes.warm_collectives)
-        if not self.local_copies:
-            warm_collectives(self.backend, self.group, round_collectives(self.backend, self.reduce_scatter_spelling))
+    def prepare_rounds(self, layout: FlatLayout, dtype: torch.dtype, int8: bool) -> None:
+        """Collective, at the engine's construction: int8 gradients' groups (``int8``), then every device
+        collective a round issues, warmed on the main thread at a bucket's size in the round buffer's ``dtype``."""
+        if int8:
+            self.use_int8_gradients()
+        self._warm_at = (layout.bucket_size, dtype)
+        self._warm()
+
+    def _warm(self) -> None:  # (nodes.warm_collectives; again at reopen)
+        if self.local_copies or self._warm_at is None:
+            return
+        numel, dtype = self._warm_at
+        kinds = round_collectives(self.reduce_scatter_spelling, self.quantized_gradients, self.weight_group is None)
+        warm_collectives(self.backend, self.group, kinds if self.two_level is None else ["all_gather"], numel, dtype)
+        if self.two_level is not None:  # its machine's sum, in the sums' dtype; int8 rows between machines
+            warm_collectives(self.backend, self.two_level.node, ("reduce_scatter",), numel, dtype)
+            rows = numel // self.two_level.per_node
+            warm_collectives(self.backend, self.two_level.rail, ("all_to_all",), rows, torch.int8)
 
     @property
     def part(self) -> tuple[int, int] | None:
@@ -168,9 +183,9 @@ class Communicator:
         """New groups after ``destroy`` (collective, like the constructor)."""
         if self.destroyed:
             self._make_groups(self.backend)
-            self._warm()
             if self.quantized_gradients:
                 self._make_node_groups()
+            self._warm()
 
     def use_int8_gradients(self) -> None:
         """int8 gradients on the wire (``quant.py``), in two levels on several machines of several ranks each
@@ -189,8 +204,6 @@ class Communicator:
         ranks = self._ranks if self._ranks is not None else list(range(dist.get_world_size()))
         options = lambda: round_group_options(self.backend, self.timeout)  # one object per group
         self.two_level = node_groups(ranks, self.rank, nodes, per_node, self.timeout, options)
-        warm_collectives(self.backend, self.two_level.node, ("reduce_scatter",))  # (its machine's sum)
-        warm_collectives(self.backend, self.two_level.rail, ("all_to_all",))  # (int8 between machines)
 
     def _destroy_at_exit(self) -> None:
         """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at

@@ -106,35 +106,44 @@ def launcher_layout_agreed(rank: int, host_group: Any) -> bool:
     return largest == smallest and not off
 
 
-def warm_collectives(backend: str, group: Any, kinds: Sequence[str]) -> None:
-    """One small collective of each of ``kinds`` ("all_reduce", "all_gather", "all_to_all", "reduce_scatter") on
-    ``group``, here, on the calling (main) thread. NCCL makes a group's communicator at its first collective, and
-    (lazy connection, NCCL 2.22 on) each algorithm's connections at their first use, the all-to-all's point-to-point
-    ones included: the round's thread would otherwise set them up beside the compute and FSDP's own collectives (a
-    rendezvous of every member, seconds at scale) and be the first to see a setup failure. A gloo group connects when
-    it is made: there this costs a few small messages. Collective: every rank, at the same point (the engine's
-    construction, ``reopen``)."""
+def warm_collectives(
+    backend: str, group: Any, kinds: Sequence[str], numel: int = 1, dtype: torch.dtype = torch.float32
+) -> None:
+    """One collective of each of ``kinds`` ("all_reduce", "all_gather", "all_to_all", "reduce_scatter") on
+    ``group``, of ``numel`` elements of ``dtype`` (a round's bucket: the all-reduce stays a few numbers, the norm's),
+    here, on the calling (main) thread. NCCL makes a group's communicator at its first collective and, with lazy
+    connection (NCCL 2.22 on, ``NCCL_RUNTIME_CONNECT=1``), each algorithm's connections at their first use, the
+    algorithm chosen by the message's size (and the all-to-all's point-to-point connections at its first): the
+    round's thread would otherwise set them up beside the compute and FSDP's collectives (a rendezvous of every
+    member, seconds at scale) and be the first to see a setup failure. A gloo group connects when it is made: there
+    this is a few messages. Collective: every rank of ``group``, at the same point (the engine's construction,
+    ``reopen``). The buffers are freed when it returns."""
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    one, many = torch.zeros(1, device=device), torch.zeros(group.size(), device=device)
+    size = group.size()
+    n = -(-max(numel, size) // size) * size  # a whole number of pieces, as a bucket is
     for kind in kinds:
         if kind == "all_reduce":
-            dist.all_reduce(one, group=group)
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
         elif kind == "all_gather":
-            all_gather_into(many, one, group, point_to_point=False).wait()
+            out = torch.zeros(n, dtype=dtype, device=device)
+            all_gather_into(out, out[: n // size].clone(), group, point_to_point=False).wait()
         elif kind == "all_to_all":
-            dist.all_to_all_single(torch.empty_like(many), many, group=group)
+            send = torch.zeros(n, dtype=dtype, device=device)
+            dist.all_to_all_single(torch.empty_like(send), send, group=group)
         elif kind == "reduce_scatter":
-            REDUCE_SCATTER(one, many, group=group)
+            send = torch.zeros(n, dtype=dtype, device=device)
+            REDUCE_SCATTER(send[: n // size].clone(), send, group=group)
         else:
             raise ValueError(f"no such collective to warm: {kind!r}")
 
 
-def round_collectives(backend: str, spelling: str) -> tuple[str, ...]:
-    """The collectives a round issues on its group: the all-gather, the all-to-all (gloo's reduce-scatter, and int8
-    gradients' on every backend), the native reduce-scatter (NCCL's, or gloo's where asked for), the norm's
-    all-reduce where the group is the world's."""
-    native = ("reduce_scatter",) if backend == "nccl" or spelling == "native" else ()
-    return ("all_reduce", "all_gather", "all_to_all", *native)
+def round_collectives(spelling: str, int8: bool, norm: bool) -> tuple[str, ...]:
+    """The device collectives a round issues on its own group: the all-gather of its output; its reduce-scatter,
+    native (``spelling``) or as an all-to-all (gloo's, and int8 gradients' on every backend: the rail group's in
+    two levels, which ``Communicator`` warms itself); the norm's all-reduce (``norm``: where the group's sum is
+    the norm's, not the world's over gloo)."""
+    scatter = ("reduce_scatter",) if spelling == "native" and not int8 else ("all_to_all",)
+    return ("all_gather", *scatter, *(("all_reduce",) if norm else ()))
 
 
 def partition_of(ranks: list[int] | None) -> list[list[int]] | None:

@@ -179,8 +179,8 @@ class ACCOOptimizer(EngineLifecycle, torch.optim.Optimizer):
         )  # fmt: skip
         self.device = self._params[0].device
         warn_if_one_hardware_queue(self.device)
-        if quantized:  # collective (two levels on several machines): before the buffers, which depend on it
-            self.comm.use_int8_gradients()
+        # collective: int8's two levels on several machines (before the buffers, which depend on it), the warm-up
+        self.comm.prepare_rounds(self.layout, wire, quantized)
         self.buffers = self._build_buffers(wire, sums, change_bits=change_bits, error_feedback=error_feedback)
         self.shard = self._build_shard(optimizer_cls, defaults, broadcast_parameters)
         self.halves = halves_for(self.accumulation, *counts)

@@ -18,12 +18,14 @@ the machine's ranks) and ``T`` the tail group's, per GPU:
 * the reduce-scatter input, ``L`` in ``reduce_dtype``, kept until the next group's post-backward
   (``comm_ctx.reduce_scatter_states``, one buffer by default: ``set_reduce_scatter_max_input_buffers``);
 * the tail group, ``T``, unsharded from its forward to its backward (``reshard_after_forward=False``): held while
-  the activations are at their peak.
+  the activations are at their peak (not counted again where it is the largest group);
+* the reduce-scatter's output, a shard of the group (``L / S`` in ``reduce_dtype``, and its cast to the model's
+  dtype where the two differ), allocated on FSDP's reduce-scatter stream, whose pool keeps it.
 
 Counted all at once: an upper bound (the tail is resharded once its backward has run; the largest group's gradients
 come when its activations are freed). ``tests/test_memory.py`` holds each line to what FSDP2 allocates for a
-transformers Llama on 2 x 2 CPU ranks (sizes measured from its tensors). The reduce-scatter's output and the
-sharded gradient are a shard of one group: not counted.
+transformers Llama on 2 x 2 CPU ranks (sizes measured from its tensors; the reduce-scatter's output from the code:
+it lives inside FSDP's reduce call). The sharded gradient ``p.grad`` is set to None by the engine's hook.
 
 The CUDA context (with torch's kernels and cuBLAS's workspace) and each NCCL communicator's buffers are on the GPU
 too, outside torch's allocator: an allowance of ``CUDA_CONTEXT`` and ``NCCL_COMMUNICATOR`` each, not a
@@ -116,15 +118,24 @@ def groups_from_config(path: str | Path, shard: int) -> FSDPGroups:
     return groups_of_model(model, shard, f"the model's config ({path})")
 
 
-def working_set(groups: FSDPGroups, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> dict[str, int]:
-    """FSDP2's bytes per GPU beside the engine's (see the module's docstring), a line each."""
+def working_set(
+    groups: FSDPGroups, param_dtype: torch.dtype, reduce_dtype: torch.dtype, shard: int = 8
+) -> dict[str, int]:
+    """FSDP2's bytes per GPU beside the engine's (see the module's docstring), a line each; ``shard``: the machine's
+    ranks, for the reduce-scatter's output (a group's shard). The tail's line is 0 where the tail is the largest
+    group: it is then the group being computed, counted already."""
     big, pb, rb = groups.largest, param_dtype.itemsize, reduce_dtype.itemsize
     return {
         "FSDP: all-gather outputs, current and prefetched (model dtype; cached by its stream)": 2 * big * pb,
         "FSDP: the group being computed, unsharded (model dtype)": big * pb,
         "FSDP: its unsharded gradients in backward (model dtype)": big * pb,
         f"FSDP: reduce-scatter input ({_dtype(reduce_dtype)}), kept until the next group's": big * rb,
-        "FSDP: the tail group (norm, lm_head), unsharded from forward to backward": groups.tail * pb,
+        "FSDP: the tail group (norm, lm_head), unsharded from forward to backward": (
+            groups.tail * pb if groups.tail < big else 0
+        ),
+        "FSDP: reduce-scatter output, a group's shard (and its cast to the model's dtype; cached by its stream)": (
+            -(-big // shard) * (rb + (pb if pb != rb else 0))
+        ),
     }
 
 
@@ -173,7 +184,7 @@ def device_baseline(name: str, numel: int, world_size: int, param_dtype: torch.d
     held = next(v for k, v in base.items() if k.split(" (")[0] == name)
     if name != "HSDP":
         return held + sum(runtime_allowance(1).values())
-    fsdp = working_set(assumed_groups(numel), param_dtype, param_dtype)  # (the all-gather in the bf16 policy's dtype)
+    fsdp = working_set(assumed_groups(numel), param_dtype, param_dtype, max(fsdp_shard, 2))  # (the bf16 policy's)
     return held + sum(fsdp.values()) + sum(runtime_allowance(3).values())
 
 

@@ -187,7 +187,8 @@ def engine_memory(
         temporaries["main thread at a step boundary: adding the changes (a row's)"] = (
             row * fp32 + layout.chunk * param_dtype.itemsize
         )
-    fsdp = device_memory.working_set(groups, param_dtype, reduce_dtype or param_dtype) if groups is not None else {}
+    reduce = reduce_dtype or param_dtype
+    fsdp = device_memory.working_set(groups, param_dtype, reduce, fsdp_shard) if groups is not None else {}
     host = {}
     if schedule == "acco" and boundary_copy:  # (ACCOTrainer saves at step boundaries only: it keeps none)
         host["acco: the boundary's model shard (model dtype, pinned; hand-written loops, opt-in under FSDP)"] = (
@@ -229,7 +230,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         gather_dtype=opt.gather_dtype,
         ranks_per_node=opt.comm.two_level.per_node if opt.comm.two_level is not None else 1,
         error_feedback=opt._round.feedback is not None,
-        grad_dtype=opt.buffers.accum.dtype,
+        grad_dtype=opt.buffers._accum.dtype,  # (not ``accum``: no wait for a round's copy)
         schedule=opt.schedule.value,
         backend=opt.comm.backend,
         bucket_numel=opt.layout.bucket_numel,
