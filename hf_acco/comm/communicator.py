@@ -118,7 +118,10 @@ class Communicator:
             raise RuntimeError(gloo_failure(e)) from e
         self.backend = dist.get_backend(self.group)
         self.weight_group: dist.ProcessGroup | None = None
-        if self._parts is not None:  # (a world-wide gloo group of the round's: the norm and the weight, see them)
+        # With FSDP inside machines (this group one part of the world), a world-wide gloo group for the round's two
+        # world-wide sums: the weight (each rank's gradient is its machine's average, so a round divides by the
+        # world's weight over the parts: every part the same divisor) and the gradient's norm (all_reduce_norms)
+        if self._parts is not None:
             self.weight_group = dist.new_group(None, timeout=timeout, backend="gloo")
         # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
         # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
