@@ -71,6 +71,26 @@ def triton_writers(device: str):  # noqa: ANN201
             os.environ[kernels.ENV] = before
 
 
+def median_seconds(run, passes: int, cuda: bool) -> float:  # noqa: ANN001 - a callable of no arguments
+    """The median time of ``passes`` calls of ``run``: between CUDA events on a GPU, by the host's clock on a CPU."""
+    import torch
+
+    times = []
+    for _ in range(passes):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure(device: str, tiny: bool, passes: int) -> dict:
     import torch
 
@@ -106,20 +126,7 @@ def measure(device: str, tiny: bool, passes: int) -> dict:
     for name, (run, nbytes) in variants.items():
         accum.fill_(0.5)
         run()  # warm-up (Triton compiles here)
-        times = []
-        for _ in range(passes):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-        seconds = statistics.median(times)
+        seconds = median_seconds(run, passes, cuda)
         figure = {"ms": seconds * 1e3, "bytes_per_element": nbytes, "GB_per_s": nbytes * numel / seconds / 1e9}
         # the same sums from the same start: 0.5 + (passes + 1) grads
         if name in ("add_", "add_unaligned", "add_float", "triton", "triton_unaligned"):
@@ -134,21 +141,30 @@ def measure(device: str, tiny: bool, passes: int) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/accumulate_kernels.py", description=__doc__,
+def parser(script: str, doc: str | None) -> argparse.ArgumentParser:
+    """The options this benchmark and ``packed_round.py`` share (``--device``, ``--tiny``, ``--passes``, ``--out``)."""
+    p = argparse.ArgumentParser(prog=f"python benchmarks/{script}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="gpu_check's tiny model (the plumbing, on CPU)")
-    p.add_argument("--passes", type=int, default=5, help="timed passes over every parameter, after one warm-up")
+    p.add_argument("--passes", type=int, default=5, help="timed passes, after one warm-up")
     p.add_argument("--out", help="write the result here (JSON)")
-    args = p.parse_args(argv)
-    result = {"command": "python benchmarks/accumulate_kernels.py " + " ".join(argv or sys.argv[1:]),
-              **measure(args.device, args.tiny, args.passes)}  # fmt: skip
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    return p
+
+
+def report(script: str, argv: list[str] | None, figures: dict, out: str | None) -> int:
+    """The result (the command, then ``figures``) printed, and written to ``out`` as JSON."""
+    command = f"python benchmarks/{script} " + " ".join(argv or sys.argv[1:])
+    text = json.dumps({"command": command, **figures}, indent=1)
+    if out:
+        Path(out).write_text(text + "\n")
     print(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser("accumulate_kernels.py", __doc__).parse_args(argv)
+    return report("accumulate_kernels.py", argv, measure(args.device, args.tiny, args.passes), args.out)
 
 
 if __name__ == "__main__":

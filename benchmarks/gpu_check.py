@@ -280,25 +280,12 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
 
-def accumulation_kernels(args: argparse.Namespace) -> dict:
-    """``benchmarks/accumulate_kernels.py`` on this device, in a process of its own (its result, or its error)."""
+def part_result(args: argparse.Namespace, script: str) -> dict:
+    """``benchmarks/<script>`` on this device, in a process of its own (its result, or its error)."""
     with tempfile.TemporaryDirectory() as tmp:
-        file = Path(tmp) / "kernels.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "accumulate_kernels.py"), "--device", args.device,
-               "--out", str(file), *(["--tiny"] if args.tiny else [])]  # fmt: skip
-        done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
-        if done.returncode or not file.exists():
-            return {"error": done.stderr[-3000:]}
-        return json.loads(file.read_text())
-
-
-def packed_round(args: argparse.Namespace) -> dict:
-    """``benchmarks/packed_round.py`` on this device, in a process of its own (its result, or its error): the packed
-    round's passes at a step boundary beside the exact path's, timed with CUDA events."""
-    with tempfile.TemporaryDirectory() as tmp:
-        file = Path(tmp) / "packed.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "packed_round.py"), "--device", args.device,
-               "--out", str(file), *(["--tiny"] if args.tiny else [])]  # fmt: skip
+        file = Path(tmp) / "part.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--device", args.device, "--out", str(file),
+               *(["--tiny"] if args.tiny else [])]  # fmt: skip
         done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
         if done.returncode or not file.exists():
             return {"error": done.stderr[-3000:]}
@@ -441,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"][method] = json.loads(file.read_text())
         write()
     if not args.skip_kernels:  # last, seconds: the hook's kernel and its alternatives (accumulate_kernels.py)
-        result["accumulation_kernels"] = accumulation_kernels(args)
-        result["packed_round"] = packed_round(args)  # the packed round's boundary passes (packed_round.py)
+        result["accumulation_kernels"] = part_result(args, "accumulate_kernels.py")
+        result["packed_round"] = part_result(args, "packed_round.py")  # the packed round's boundary passes
         write()
     write()
     print(table(result))

@@ -24,11 +24,7 @@ a test.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,7 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def measure(device: str, tiny: bool, ranks: int, passes: int) -> dict:
     import torch
-    from accumulate_kernels import shapes
+    from accumulate_kernels import median_seconds, shapes
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hf_acco.comm import quant
@@ -77,39 +73,17 @@ def measure(device: str, tiny: bool, ranks: int, passes: int) -> dict:
     for name, run in passes_of.items():
         with Launches() as launches:
             run()  # (also the warm-up)
-        times = []
-        for _ in range(passes):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-        out["passes"][name] = {"ms": statistics.median(times) * 1e3, "ops": launches.count}
+        out["passes"][name] = {"ms": median_seconds(run, passes, cuda) * 1e3, "ops": launches.count}
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/packed_round.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--tiny", action="store_true", help="gpu_check's tiny model (the plumbing, on CPU)")
+    from accumulate_kernels import parser, report
+
+    p = parser("packed_round.py", __doc__)
     p.add_argument("--ranks", type=int, default=8, help="machines in the rounds' group (buckets of that many pieces)")
-    p.add_argument("--passes", type=int, default=5, help="timed passes, after one warm-up")
-    p.add_argument("--out", help="write the result here (JSON)")
     args = p.parse_args(argv)
-    result = {"command": "python benchmarks/packed_round.py " + " ".join(argv or sys.argv[1:]),
-              **measure(args.device, args.tiny, args.ranks, args.passes)}  # fmt: skip
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    return report("packed_round.py", argv, measure(args.device, args.tiny, args.ranks, args.passes), args.out)
 
 
 if __name__ == "__main__":

@@ -268,8 +268,8 @@ class _FakeStream:
         self.log.append(f"{self.name} waits for {other.name}")
 
 
-@pytest.mark.parametrize("packed_or_swap", ["copy", "swap"])
-def test_the_main_stream_waits_for_the_hooks_stream_before_the_sums_are_read(monkeypatch, packed_or_swap) -> None:
+@pytest.mark.parametrize("way", ["copy", "swap"])
+def test_the_main_stream_waits_for_the_hooks_stream_before_the_sums_are_read(monkeypatch, way: str) -> None:
     """FSDP2 runs the gradient hooks on its reduce-scatter stream: the main stream waits for that stream (on the
     device) before anything reads or writes the sums after a backward, whatever FSDP's own end-of-backward wait
     does (``set_is_last_backward(False)`` skips it). Streams are faked: CUDA's ordering with no GPU here."""
@@ -291,11 +291,11 @@ def test_the_main_stream_waits_for_the_hooks_stream_before_the_sums_are_read(mon
 
     backward_on(fsdp)
     backward_on(fsdp)
-    pair.hand_over(swap=packed_or_swap == "swap")
+    pair.hand_over(swap=way == "swap")
     assert log == ["main waits for fsdp reduce-scatter", "sums read"]  # once, before the sums: streams noted once
     log.clear()
     pair.cancel_lend()
-    pair.restart(packed_or_swap == "swap")
+    pair.restart(way == "swap")
     backward_on(main)  # hooks on the main stream itself (no FSDP): nothing to wait for
     pair.hand_over(swap=False)
     assert log == ["sums read"]
