@@ -28,6 +28,11 @@ STEPS, MICRO = 12, 4
 HP = {"lr": 1e-2, "betas": (0.9, 0.95)}
 
 
+def on_one_gpu(fn, **kwargs):  # noqa: ANN001, ANN003, ANN201 - run_ranks' own
+    """``fn``'s result on one NCCL rank in a process of its own (spawned: CUDA in a child)."""
+    return run_ranks(fn, world_size=1, backend="nccl", start_method="spawn", timeout=300, **kwargs)[0]
+
+
 def cuda_train(rank: int, world_size: int, delay: float, autocast: bool) -> list[torch.Tensor]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -433,18 +438,7 @@ def test_cuda_acco_over_a_bf16_fsdp2_model_is_the_same_whatever_the_round_timing
 
 @pytest.mark.parametrize("last_backward", [True, False], ids=["fsdp-waits", "fsdp-does-not-wait"])
 def test_cuda_acco_over_an_fsdp2_model_matches_the_reference_whatever_the_round_timing(last_backward: bool) -> None:
-    runs = [
-        run_ranks(
-            cuda_fsdp_train,
-            world_size=1,
-            backend="nccl",
-            start_method="spawn",
-            timeout=300,
-            delay=d,
-            last_backward=last_backward,
-        )[0]  # fmt: skip
-        for d in (0.0, 0.05)
-    ]
+    runs = [on_one_gpu(cuda_fsdp_train, delay=d, last_backward=last_backward) for d in (0.0, 0.05)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))  # no stream dependency missing
     model = tiny_llama()
     ref = Reference(model, decay_groups(model, 0.1), torch.optim.AdamW, 0.5, mean_loss, **HP)
@@ -522,18 +516,7 @@ def cuda_kernels_train(rank: int, world_size: int, choice: str, fsdp: bool) -> d
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
 def test_cuda_training_with_the_triton_kernels_gives_the_same_parameters(fsdp: bool) -> None:
-    runs = {
-        choice: run_ranks(
-            cuda_kernels_train,
-            world_size=1,
-            backend="nccl",
-            start_method="spawn",
-            timeout=300,
-            choice=choice,
-            fsdp=fsdp,
-        )[0]  # fmt: skip
-        for choice in ("torch", "triton")
-    }
+    runs = {choice: on_one_gpu(cuda_kernels_train, choice=choice, fsdp=fsdp) for choice in ("torch", "triton")}
     every = len(runs["torch"]["params"]) * 4 * MICRO  # each parameter's gradient of each micro-batch
     assert runs["torch"]["kernel_calls"] == 0 and 0 < runs["triton"]["kernel_calls"] <= every
     assert fsdp or runs["triton"]["kernel_calls"] == every  # (FSDP's local shards could be strided: torch's op)
