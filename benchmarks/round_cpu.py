@@ -51,11 +51,15 @@ def _timed(obj: Any, name: str, record: list) -> None:
 
     @functools.wraps(inner)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0, p0 = time.thread_time(), time.process_time()
+        # The process clock is read outside the thread clock at both ends: its window holds the thread's, so a call's
+        # all-threads CPU is never less than its own thread's (read the other way round, 5.92 > 5.91 ms once in CI).
+        p0 = time.process_time()
+        t0 = time.thread_time()
         try:
             return inner(*args, **kwargs)
         finally:
-            record.append((time.thread_time() - t0, time.process_time() - p0))
+            t1 = time.thread_time()
+            record.append((t1 - t0, time.process_time() - p0))
 
     setattr(obj, name, wrapper)
 
