@@ -1,71 +1,36 @@
-"""Per-rank optimizer shard files: written atomically, loaded with ``weights_only=True``, re-sharded on load.
+"""Saving and loading the engine's state as per-rank optimizer shard files, re-sharded on load (the files'
+names, reading and atomic writing: ``shard_files.py``).
 
-One file per rank, ``acco_optimizer_rank{r}_of_{n}.pt``, holding that rank's ``ACCOOptimizer.state_dict()``
-(master shard, optimizer state shard, the model's in-flight estimate shard, counters and the layout). A file is
-written under a temporary name, flushed to disk and renamed, so a crash mid-write never leaves a truncated file
-under the real name.
+One file per rank holds that rank's ``ACCOOptimizer.state_dict()`` (master shard, optimizer state shard, the
+model's in-flight estimate shard, counters and the layout).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hf_acco.engine.core import ACCOOptimizer
+from hf_acco.engine.shard_files import (
+    atomic_copy,
+    atomic_save,
+    part_folder,
+    part_folders,
+    read_shard,
+    shard_filename,
+    shard_files,
+)
 from hf_acco.engine.shard_state import reshard, with_empty_groups
 from hf_acco.engine.torch_format import optimizer_keys, shard_from_torch_state
-
-_PART_RE = re.compile(r"fsdp_shard(\d+)_of_(\d+)$")
-_SHARD_RE = re.compile(r"^acco_optimizer_rank(\d+)_of_(\d+)\.pt$")
-
-
-def shard_filename(rank: int, world_size: int) -> str:
-    return f"acco_optimizer_rank{rank}_of_{world_size}.pt"
-
-
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to ``path`` so that ``path`` holds either the old or the complete new file."""
-    _atomic_write(Path(path), lambda f: torch.save(obj, f))
-
-
-def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Copy ``source`` to ``target`` so that ``target`` holds either the old or the complete new file."""
-    with open(source, "rb") as src:
-        _atomic_write(Path(target), lambda f: shutil.copyfileobj(src, f))
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    """``write(file)`` into a temporary name beside ``path``, flushed to disk, then renamed over ``path``; the
-    directory entry is flushed too. A crash mid-write never leaves a truncated file under the real name."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def shards_directory(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> Path:
     """Where this rank's shard file goes: ``directory``, or, when the engine's ranks hold one FSDP shard of the model
     (a part of the world, see ``Communicator.part``), its part's own folder ``fsdp_shard{k}_of_{K}``: the parts'
     ranks are numbered alike, and each part re-shards on its own."""
-    part = optimizer.comm.part
-    return Path(directory) if part is None else Path(directory) / f"fsdp_shard{part[0]}_of_{part[1]}"
+    return part_folder(directory, optimizer.comm.part)
 
 
 def save_optimizer_state(optimizer: ACCOOptimizer, directory: str | os.PathLike) -> Path:
@@ -134,7 +99,7 @@ def fsdp_sharding_mismatch(directory: str | os.PathLike, shards: int | None) -> 
     state in ``directory``, or None. The shards cover FSDP's local shards of the run that wrote them (a folder per
     FSDP shard index): another FSDP sharding (or none) has other local shapes. Another number of machines re-shards
     within each folder."""
-    written = sorted(_part_folders(Path(directory)))
+    written = sorted(part_folders(Path(directory)))
     if written == ([] if shards is None else [shards]):
         return None
     before = f"with FSDP over {written[0]} ranks per machine" if written else "without FSDP"
@@ -146,24 +111,13 @@ def fsdp_sharding_mismatch(directory: str | os.PathLike, shards: int | None) -> 
     )
 
 
-def shard_files(directory: str | os.PathLike) -> dict[int, dict[int, Path]]:
-    """The optimizer shard files in ``directory``: {world size: {rank: path}}."""
-    directory = Path(directory)
-    found: dict[int, dict[int, Path]] = {}
-    for f in directory.glob("acco_optimizer_rank*_of_*.pt") if directory.is_dir() else []:
-        m = _SHARD_RE.match(f.name)
-        if m:
-            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
-    return found
-
-
 def missing_shards(
     directory: str | os.PathLike, world_size: int | None = None, ranks: list[int] | None = None
 ) -> str | None:
     """Why the shard set in ``directory`` is incomplete for ``ranks`` of a run on ``world_size`` ranks (every rank's
     shard when they are not given, or when the checkpoint has another world size: re-sharding reads them all), or
     None. A per-node checkpoint (``save_on_each_node``, no shared file system) holds only its node's ranks."""
-    parts = _part_folders(Path(directory))
+    parts = part_folders(Path(directory))
     if parts:  # FSDP inside machines: a set of shards per FSDP shard index, each complete on its own
         return _missing_parts(parts)
     found = shard_files(directory)
@@ -181,16 +135,6 @@ def missing_shards(
             "(python -m hf_acco.checkpoint gather --into DIR NODE_DIRS...), or resume on the same number of ranks"
         )
     return f"the optimizer shards of ranks {missing} (of {world})" if missing else None
-
-
-def _part_folders(directory: Path) -> dict[int, dict[int, Path]]:
-    """The ``fsdp_shard{k}_of_{K}`` folders in ``directory`` (see ``shards_directory``): {K: {k: path}}."""
-    found: dict[int, dict[int, Path]] = {}
-    for f in directory.glob("fsdp_shard*_of_*") if directory.is_dir() else []:
-        m = _PART_RE.match(f.name)
-        if m and f.is_dir():
-            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
-    return found
 
 
 def _missing_parts(parts: dict[int, dict[int, Path]]) -> str | None:
@@ -245,7 +189,7 @@ def _read_shards(directory: Path, rank: int, world_size: int, chunk: int) -> lis
         raise ValueError(f"{directory} holds optimizer shards of several world sizes {sorted(found)}; keep one set.")
     ((saved_world, files),) = found.items()
     if saved_world == world_size and rank in files:  # the same ranks: this rank's own file (all if the chunk changed)
-        own = _read(files[rank])
+        own = read_shard(files[rank])
         if own["layout"]["chunk"] == chunk:
             return [own]
     missing = sorted(set(range(saved_world)) - set(files))
@@ -261,14 +205,4 @@ def _read_shards(directory: Path, rank: int, world_size: int, chunk: int) -> lis
             f"The checkpoint {directory} lacks the optimizer shards of ranks {missing} (of {saved_world}): it is "
             "incomplete. Resume from an earlier checkpoint."
         )
-    return [_read(files[r]) for r in range(saved_world)]
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - turned into an actionable message
-        raise ValueError(
-            f"Could not read the ACCO optimizer shard {path} ({type(e).__name__}: {e}). The file is damaged; "
-            "resume from an earlier checkpoint."
-        ) from e
+    return [read_shard(files[r]) for r in range(saved_world)]

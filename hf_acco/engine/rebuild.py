@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from hf_acco.comm.sharding import FlatLayout
-from hf_acco.engine.checkpoint import _part_folders, _read, atomic_save, shard_filename, shard_files
+from hf_acco.engine.shard_files import atomic_save, part_folders, read_shard, shard_filename, shard_files
 
 
 def _flat_weights(layout: FlatLayout, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -59,7 +59,7 @@ def rebuild_shards(
     rebuilt from a surviving shard's record and ``weights`` (name -> the committed parameter); returns the files
     written. The surviving shards are not touched."""
     directory = Path(directory)
-    if _part_folders(directory):
+    if part_folders(directory):
         raise ValueError(
             "This checkpoint was written with FSDP inside each machine, whose checkpoints need a shared file system "
             "(save_on_each_node is refused there): nothing to rebuild."
@@ -77,7 +77,7 @@ def rebuild_shards(
     kept = [str(files[r]) for r in targets if r in files]
     if kept:  # checked before anything is written
         raise FileExistsError(f"{', '.join(kept)} survive(s): rebuild only the ranks whose shards are lost")
-    survivor = _read(files[min(files)])
+    survivor = read_shard(files[min(files)])
     layout = FlatLayout.from_meta(survivor["layout"])
     flat = _flat_weights(layout, weights)
     model_dtype = survivor["model"].dtype

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from hf_acco.engine.checkpoint import _part_folders, _read, atomic_save, gather_shards, missing_shards, shard_files
+from hf_acco.engine.checkpoint import gather_shards, missing_shards
 from hf_acco.engine.rebuild import rebuild_shards
+from hf_acco.engine.shard_files import atomic_save, part_folders, read_shard, shard_files
 from hf_acco.engine.torch_format import torch_state_from_shards
 
 TRAINER_OPTIMIZER = "optimizer.pt"
@@ -63,7 +64,7 @@ def export_for_trainer(directory: str | Path) -> Path:
     """Write ``optimizer.pt`` into the ACCO checkpoint ``directory``: torch's state dict of plain Trainer's optimizer,
     from every rank's shard, parameter by parameter (the shards memory-mapped). Returns the file."""
     directory = Path(directory)
-    if _part_folders(directory):
+    if part_folders(directory):
         raise ValueError(
             f"{directory} was written with FSDP inside each machine: its optimizer state covers FSDP's local shards, "
             "which plain Trainer's FSDP checkpoint stores otherwise. Resume it with ACCOTrainer."
@@ -76,7 +77,7 @@ def export_for_trainer(directory: str | Path) -> Path:
             "NODE_DIRS...)."
         )
     ((world, files),) = shard_files(directory).items()
-    shards = [_read(files[r]) for r in range(world)]
+    shards = [read_shard(files[r]) for r in range(world)]
     if not shards[0].get("empty_groups_kept") and len(shards[0]["hparams"]) == 1:
         raise ValueError(
             f"{directory} was written by hf_acco 0.1.0, whose ACCOTrainer left out an empty parameter group that "

@@ -21,15 +21,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_acco.comm.communicator import node
 from hf_acco.comm.failures import PeerFailure
 from hf_acco.comm.groups import every_rank
-from hf_acco.engine.checkpoint import (
-    _part_folders,
-    atomic_save,
-    import_torch_state,
-    load_optimizer_state,
-    missing_shards,
-    save_optimizer_state,
-    shard_files,
-)
+from hf_acco.engine.checkpoint import import_torch_state, load_optimizer_state, missing_shards, save_optimizer_state
+from hf_acco.engine.shard_files import atomic_save, atomic_write_json, part_folders, shard_files
 from hf_acco.engine.torch_format import FROM_SHARDS, local_state_from_full, scheduler_with_empty_groups
 from hf_acco.integrations import fsdp
 from hf_acco.integrations.trainer.engine import engine_of
@@ -53,7 +46,7 @@ def trainer_checkpoint_kind(path: str) -> str | None:
     ``"fsdp"`` for one of plain Trainer with FSDP (``optimizer.bin``: the whole state by parameter name; Trainer's
     ``FULL_STATE_DICT``), ``"fsdp_sharded"`` with ``SHARDED_STATE_DICT`` (an ``optimizer_0`` folder), when no ACCO
     shards are there; else None. ACCOTrainer resumes the first two (``import_trainer_*``)."""
-    if shard_files(path) or _part_folders(Path(path)):
+    if shard_files(path) or part_folders(Path(path)):
         return None
     for kind, name in (
         ("ddp", OPTIMIZER_NAME),
@@ -75,7 +68,7 @@ def stale_files(path: str) -> str | None:
     was not made from them (``to-trainer`` marks the one it makes). Two runs saved the same step there (a plain
     Trainer run rewrote an ACCO checkpoint): which state goes with the model files cannot be told."""
     fsdp_file = os.path.join(path, FSDP_OPTIMIZER_NAME)
-    if (_part_folders(Path(path)) or shard_files(path)) and os.path.isfile(fsdp_file) and not _ours(fsdp_file):
+    if (part_folders(Path(path)) or shard_files(path)) and os.path.isfile(fsdp_file) and not _ours(fsdp_file):
         return (
             f"it holds ACCO's optimizer shards and a plain Trainer {FSDP_OPTIMIZER_NAME} (a plain Trainer FSDP run "
             "and an ACCO run saved this step into one directory): delete the stale one "
@@ -411,10 +404,3 @@ def model_files_on_this_node(trainer: ACCOTrainerMixin) -> Any:
     finally:
         if override:
             del model.should_save_on_this_rank
-
-
-def atomic_write_json(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
