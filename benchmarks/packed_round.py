@@ -13,7 +13,7 @@ Passes, each over the whole model:
 * ``cast_copy``: the exact path's hand-over of the same sums into a bf16 round buffer (``LentSums``, on the round's
   stream too);
 * ``apply``: the packed load (``PackedRound.apply``): every rank's int8 change dequantised and added to the model,
-  rounded to bf16, on the main stream at the boundary (the critical path: docs/hsdp.md says why it stays there);
+  in place, on the main stream at the boundary (the critical path: docs/hsdp.md says why it stays there);
 * ``load``: the exact path's load, the round's bf16 output copied into the model (``BufferPair.load_into_model``).
 
 Per pass: milliseconds (the median of ``--passes``, between CUDA events on a GPU, by the host's clock on a CPU), and

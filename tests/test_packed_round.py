@@ -151,3 +151,39 @@ def test_the_round_packs_the_sums_on_its_own_thread_and_stream_with_the_same_bit
         assert all(torch.equal(x, y) for x, y in zip(a["held"] + [a["final"]], b["held"] + [b["final"]]))
     assert torch.equal(quick[0]["final"], quick[1]["final"])
     assert not torch.equal(quick[0]["final"], _flat(_model(torch.bfloat16)))  # it trained
+
+
+@pytest.mark.parametrize(("dtype", "bits"), [(torch.bfloat16, 8), (torch.bfloat16, 4), (torch.float32, 8)])
+def test_the_boundary_adds_the_changes_in_place_with_the_bits_of_a_rounded_fp32_sum(dtype: torch.dtype,
+                                                                                   bits: int) -> None:  # fmt: skip
+    """``PackedRound.apply`` adds each rank's dequantised change where the model holds it, through one reused fp32
+    row: the bits of the change plus the model's elements in fp32, rounded to the model's dtype (what the round
+    buffer of the model's dtype holds), pieces that split parameters and chunks that are no whole blocks included."""
+    from types import SimpleNamespace
+
+    from hf_acco.comm import quant
+    from hf_acco.comm.deltas import PackedRound
+
+    torch.manual_seed(0)
+    shapes = [(37, 11), (300,), (5, 64), (1000,)]  # pieces of 4 ranks cut through them
+    params = [torch.randn(s).to(dtype) for s in shapes]
+    params[1][:8] = torch.tensor([1e-40, -1e-40, 0.0, -0.0, 3e38, 1e-3, 2.0**-126, 7.0]).to(dtype)  # edges
+    layout = FlatLayout(params, [str(i) for i in range(len(params))], [0] * len(params), 4, 1000)
+    packed = PackedRound(layout, SimpleNamespace(rank=0, world_size=4), params, bits, dtype)  # type: ignore[arg-type]
+    assert layout.num_buckets > 1 and layout.chunk % quant.BLOCK  # several buckets, a partial block a row
+    buf = packed.new_buffer(torch.device("cpu"))
+    changes = torch.randn(layout.num_buckets, 4, layout.chunk) * 1e-2
+    changes[0, 0, :4] = torch.tensor([1e-40, 0.0, -1e-3, 5.0])
+    flat = torch.cat([p.flatten().float() for p in params] + [torch.zeros(layout.padded_numel - layout.numel)])
+    expected = flat.clone()
+    for b in range(layout.num_buckets):
+        packed._changes(buf, b).copy_(quant.pack(changes[b], bits=bits))
+        for r in range(4):  # the model's elements + the dequantised change, in fp32, rounded to the model's dtype
+            dequantised = quant.unpack(packed._changes(buf, b)[r : r + 1], layout.chunk, bits)[0]
+            piece = layout.piece(expected, b, r)
+            piece.copy_((dequantised + piece).to(dtype).float())
+    packed.apply(buf)
+    got = torch.cat([p.flatten().float() for p in params])
+    assert all(p.dtype == dtype for p in params)
+    assert torch.equal(got, expected[: layout.numel])
+    assert not torch.equal(got, flat[: layout.numel])  # it changed the model

@@ -105,12 +105,14 @@ class ModelPieces:
         self.add_to(out, b, r)
         return out
 
-    def copy_from(self, out: torch.Tensor, b: int, r: int) -> None:
-        """The model's elements of piece (b, r) <- ``out`` ((chunk,)), cast to each parameter's dtype."""
+    def add_into(self, row: torch.Tensor, b: int, r: int) -> None:
+        """The model's elements of piece (b, r) += ``row`` ((chunk,) float32), in place: each element computed in
+        fp32 and rounded to its parameter's dtype once, the bits of ``(row + model).to(dtype)`` (an IEEE add
+        commutes) without a float32 copy of the model's elements."""
         runs = self.runs(b, r)
         if runs:
             targets = [self.params[i].detach().view(-1)[s : s + n] for i, s, n, _ in runs]
-            torch._foreach_copy_(targets, [out[o : o + n] for _, _, n, o in runs])
+            torch._foreach_add_(targets, [row[o : o + n] for _, _, n, o in runs])
 
 
 class DeltaGather:
@@ -201,8 +203,12 @@ class PackedRound:
 
     @torch.no_grad()
     def apply(self, buf: torch.Tensor) -> None:
-        """Main thread: the model's piece (b, r) <- itself + rank r's dequantised change, every piece."""
+        """Main thread: the model's piece (b, r) += rank r's dequantised change, every piece, in place (the bits of
+        ``plus_change``'s sum rounded to the model's dtype): a change dequantised into one float32 row, reused,
+        then added where the model holds it (two passes over the model's bytes, no copy of them)."""
+        chunk = self.layout.chunk
+        row = torch.empty(1, quant.num_blocks(chunk) * quant.BLOCK, dtype=torch.float32, device=buf.device)
         for b in range(self.layout.num_buckets):
             changes = self._changes(buf, b)
             for r in range(changes.shape[0]):
-                self.model.copy_from(self.model.plus_change(changes[r], b, r, self.bits).to(self.dtype), b, r)
+                self.model.add_into(quant.unpack_into(changes[r : r + 1], chunk, row, self.bits)[0], b, r)

@@ -103,9 +103,16 @@ def _dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, b
 
 def unpack(packed: torch.Tensor, n: int, bits: int = 8) -> torch.Tensor:
     """The float32 rows ((R, n)) that ``pack`` quantised into ``packed``."""
+    out = torch.empty(packed.shape[0], num_blocks(n) * BLOCK, dtype=torch.float32, device=packed.device)
+    return unpack_into(packed, n, out, bits)
+
+
+def unpack_into(packed: torch.Tensor, n: int, out: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """``unpack`` written into ``out`` ((R, num_blocks(n) * BLOCK) float32, reused by a caller that unpacks row after
+    row); returns its (R, n) view."""
     values, scales = _parts(packed, n, bits)
-    out = torch.empty(*scales.shape, BLOCK, dtype=torch.float32, device=packed.device)
-    return _dequantize(values, scales, out, bits).view(packed.shape[0], -1)[:, :n]
+    _dequantize(values, scales, out.view(*scales.shape, BLOCK), bits)
+    return out[:, :n]
 
 
 def unpack_sum(packed: torch.Tensor, n: int, out: torch.Tensor, bits: int = 8) -> torch.Tensor:

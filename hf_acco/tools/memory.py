@@ -182,11 +182,9 @@ def engine_memory(
         round_pool.pop("round: Adam estimate windows")
     temporaries = {"main thread at a step boundary (no shard-sized copy)": 0}
     if packed:  # the round quantises the sums (a row rounded to the wire's dtype, its fp32 copy); the boundary adds
-        row = quant.num_blocks(layout.chunk) * quant.BLOCK  # the changes (a row dequantised, rounded to the model's)
+        row = quant.num_blocks(layout.chunk) * quant.BLOCK  # the changes (a row dequantised, added in place)
         round_pool["round: packing the sums (a row's)"] = row * fp32 + layout.chunk * comm_dtype.itemsize
-        temporaries["main thread at a step boundary: adding the changes (a row's)"] = (
-            row * fp32 + layout.chunk * param_dtype.itemsize
-        )
+        temporaries["main thread at a step boundary: adding the changes (a row's)"] = row * fp32
     reduce = reduce_dtype or param_dtype
     fsdp = device_memory.working_set(groups, param_dtype, reduce, fsdp_shard) if groups is not None else {}
     host = {}
