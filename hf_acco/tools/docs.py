@@ -376,6 +376,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "hsdp-fits": results_docs.hsdp_fits_table,
     "hsdp-70b": results_docs.hsdp_70b_table,
     "hsdp-bench": results_docs.hsdp_bench_table,
+    "packed-round-cpu": results_docs.packed_round_table,
     # tables the study commands wrote beside their results, as they are
     "convergence": lambda: (RESULTS / "convergence" / "table.md").read_text(),
     "heterogeneous-study": lambda: (RESULTS / "heterogeneous" / "table.md").read_text(),

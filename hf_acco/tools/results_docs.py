@@ -283,3 +283,18 @@ def hsdp_bench_table() -> str:
     payload = json.loads((ROOT / "recipes" / "results" / "hsdp" / "benchmark.json").read_text())
     predicted = f"; predictions: `{payload['analysed_with']}`" if "analysed_with" in payload else ""
     return f"`{payload['command']}`{predicted}\n\n" + hsdp.table(payload["runs"])
+
+
+def packed_round_table(name: str = "c5966a9_vs_c1e9381") -> str:
+    """``python benchmarks/packed_round.py`` on two commits' code, alternated (recipes/results/engine/packed_round/):
+    each pass's milliseconds per run and the operations it dispatches."""
+    result = json.loads((ROOT / "recipes" / "results" / "engine" / "packed_round" / f"{name}.json").read_text())
+    commits = (result["base"], result["new"])
+    out = ["| pass | " + " | ".join(f"{c}: ms (runs) | ops" for c in commits) + " |", "|---|" + "---:|---:|" * 2]
+    for label in result["runs"][commits[0]][0]["passes"]:
+        cells = []
+        for c in commits:
+            passes = [run["passes"][label] for run in result["runs"][c]]
+            cells.append(" / ".join(f"{p['ms']:.0f}" for p in passes) + f" | {passes[0]['ops']}")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
