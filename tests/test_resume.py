@@ -40,8 +40,9 @@ def build(
     comm_dtype: str = "auto",
     gather_dtype: str = "auto",
     error_feedback: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> tuple[torch.nn.Module, ACCOOptimizer]:
-    model = tiny_llama(seed=seed)
+    model = tiny_llama(seed=seed) if model is None else model
     micro_batches = PER_VIRTUAL[virtual] * virtual // world_size
     opt = ACCOOptimizer(
         decay_groups(model, 0.1),

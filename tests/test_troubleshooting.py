@@ -32,6 +32,7 @@ INTERNAL = {
     ("hf_acco/comm/quant.py", "values travel in"): "the bit widths the engine passes",
     ("hf_acco/comm/quant.py", "a packed row of"): "buffer sizes the engine computes",
     ("hf_acco/comm/deltas.py", "reads parameters in place"): "the engine's own parameter views",
+    ("hf_acco/comm/transfer.py", "a member's own are copied"): "engine/reshard.py copies a member's own messages",
     ("hf_acco/pacing/claims.py", "need num_samples, batch_size"): "the Pacer checks these first",
     ("hf_acco/tools/multiprocess.py", "join(errors)"): "re-raises the ranks' own errors, listed on the page",
     ("hf_acco/tools/plan/model.py", "spelling must be"): "the planner's own two spellings",

@@ -107,6 +107,11 @@ class FlatLayout:
         layout._set_geometry(meta["world_size"], meta["chunk"], meta["num_buckets"])
         return layout
 
+    def resized(self, world_size: int) -> FlatLayout:
+        """These parameters over ``world_size`` ranks with the bucket size this layout was built with: the layout of
+        an engine built with the same settings on that many ranks (the automatic size depends on no world size)."""
+        return FlatLayout(self.params, self.names, self.groups, world_size, self.bucket_numel)
+
     def _set_entries(self, names: Sequence[str], groups: Sequence[int], shapes: list[tuple[int, ...]]) -> None:
         """Each parameter's name, group, shape, size and offset in the flat space."""
         self.names, self.groups, self.shapes = list(names), list(groups), shapes

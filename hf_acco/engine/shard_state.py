@@ -252,7 +252,7 @@ def shard_getter(
     return lambda v: v.to(device, copy=True)  # a new tensor: the engine takes it over, the caller's stays theirs
 
 
-def _runs_from(meta: dict[str, Any], layout: FlatLayout, rank: int) -> list[tuple[int, int, int, int]]:
+def runs_from(meta: dict[str, Any], layout: FlatLayout, rank: int) -> list[tuple[int, int, int, int]]:
     """Where this rank's shard in ``layout`` lies in the shards of the layout ``meta`` describes: (old rank, start in
     its shard, start in ours, length), one run per piece of an old rank's chunk."""
     old_chunk = meta["chunk"]
@@ -279,7 +279,7 @@ def reshard(shards: list[dict[str, Any]], layout: FlatLayout, rank: int) -> dict
     if [s["rank"] for s in shards] != list(range(meta["world_size"])):
         raise ValueError(f"need the shards of all {meta['world_size']} ranks, got ranks {[s['rank'] for s in shards]}")
     layout.check_matches(meta)  # the same parameters in the same groups, before anything is read
-    runs = _runs_from(meta, layout, rank)
+    runs = runs_from(meta, layout, rank)
 
     def take(get: Callable[[dict], torch.Tensor]) -> torch.Tensor:
         out = torch.zeros(layout.shard_numel, dtype=get(shards[0]).dtype)
@@ -287,14 +287,33 @@ def reshard(shards: list[dict[str, Any]], layout: FlatLayout, rank: int) -> dict
             out[start : start + n].copy_(get(shards[old_rank])[old_start : old_start + n])
         return out
 
-    out = {k: v for k, v in shards[0].items() if k not in ("master", "model", "optim_state")}
+    vectors = {name: take(get) for name, get in shard_vectors(shards[0]).items()}
+    return resharded(shards[0], merge_param_scalars(shards), layout, rank, vectors)
+
+
+PER_RANK = ("int8_residual",)  # a rank's own: its rounding of the rows it quantised, meaningless on another rank
+
+
+def shard_vectors(state: dict[str, Any]) -> dict[str, Callable[[dict], torch.Tensor]]:
+    """The vectors of a shard that a re-shard cuts anew, each by a name and how to read it from a shard: the master,
+    the model and each of the inner optimizer's state vectors."""
+    getters = {"master": lambda s: s["master"], "model": lambda s: s["model"]}
+    return getters | {f"optim_state.{k}": _optim_state(k) for k in state["optim_state"]}
+
+
+def resharded(
+    first: dict[str, Any], scalars: dict[str, torch.Tensor], layout: FlatLayout, rank: int, vectors: dict
+) -> dict[str, Any]:
+    """Rank ``rank``'s state in ``layout``: old rank 0's shard ``first`` for what is not per element, each
+    parameter's scalars (``merge_param_scalars``), and its new ``vectors`` by ``shard_vectors``' names."""
+    out = {k: v for k, v in first.items() if k not in ("master", "model", "optim_state", *PER_RANK)}
     out.update(
         rank=rank,
         layout=layout.meta(),
-        optim_param_scalars=merge_param_scalars(shards),
-        master=take(lambda s: s["master"]),
-        model=take(lambda s: s["model"]),
-        optim_state={k: take(_optim_state(k)) for k in shards[0]["optim_state"]},
+        optim_param_scalars=scalars,
+        master=vectors["master"],
+        model=vectors["model"],
+        optim_state={k: vectors[f"optim_state.{k}"] for k in first["optim_state"]},
     )
     return out
 
@@ -328,7 +347,7 @@ def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     def merge(get) -> torch.Tensor:
         return unshard([get(s) for s in shards], meta["num_buckets"], meta["chunk"], meta["numel"])
 
-    per_rank = ("master", "model", "optim_state", "rank", "int8_residual")  # the residual: each rank's own rounding
+    per_rank = ("master", "model", "optim_state", "rank", *PER_RANK)
     out = {k: v for k, v in shards[0].items() if k not in per_rank}
     out.update(
         consolidated=True,
