@@ -27,10 +27,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_acco import ACCOOptimizer  # noqa: E402
-from hf_acco.comm.communicator import Communicator, DelayedCommunicator  # noqa: E402
+from hf_acco.comm.communicator import Communicator  # noqa: E402
 from hf_acco.comm.sharding import FlatLayout  # noqa: E402
 from hf_acco.tools.bench.link import tx_bytes  # noqa: E402
 from hf_acco.tools.multiprocess import run_ranks  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.doubles import DelayedCommunicator  # noqa: E402  (the test double: a round that takes longer)
 
 
 def build_model(hidden: int, layers: int, vocab: int = 512):

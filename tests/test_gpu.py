@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer
-from hf_acco.comm.communicator import DelayedCommunicator
 from hf_acco.tools.multiprocess import run_ranks
 
+from .doubles import DelayedCommunicator
 from .models import batch, decay_groups, mean_loss, tiny_llama
 from .reference import Reference, relative_error, run_acco
 

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from hf_acco import ACCOOptimizer
-from hf_acco.comm.communicator import DelayedCommunicator
 from hf_acco.comm.groups import round_group_options, warn_if_one_hardware_queue
 from hf_acco.engine.checkpoint import load_optimizer_state, save_optimizer_state, shard_filename
 from hf_acco.tools.multiprocess import run_ranks
 
+from .doubles import DelayedCommunicator
 from .models import batch, mean_loss, tiny_llama
 
 

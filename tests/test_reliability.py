@@ -14,10 +14,10 @@ import torch
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_acco import ACCOOptimizer
-from hf_acco.comm.communicator import DelayedCommunicator
 from hf_acco.integrations.trainer import checkpoint_incomplete
 from hf_acco.tools.multiprocess import run_ranks
 
+from .doubles import DelayedCommunicator
 from .models import batch, decay_groups, mean_loss, tiny_llama
 from .test_trainer import flat, train
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_acco import ACCOOptimizer, Phase
-from hf_acco.comm.communicator import DelayedCommunicator
 from hf_acco.engine.halves import round_ends_soon
 from hf_acco.tools.multiprocess import run_ranks
 
+from .doubles import DelayedCommunicator
 from .helpers import clones
 from .models import batch, decay_groups, mean_loss, tiny_llama, token_sum_loss
 from .reference import Reference, relative_error, run_acco, run_dpu, run_sync

@@ -24,9 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -276,6 +274,13 @@ class Communicator:
             tensor[0] /= len(self._parts)  # the weight over a part's ranks (see weight_group)
         return tensor.tolist()
 
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank of the rounds (of the world, where this group is a part of it) says ``ok``: one number
+        summed on the host. A commit's vote (``rounds.RoundBody``); a peer that died makes it raise instead."""
+        vote = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+        dist.all_reduce(vote, group=self.weight_group if self.weight_group is not None else self.host_group)
+        return vote.item() == 0.0
+
     def check_same_everywhere(self, values: list[float], device: torch.device, message: str) -> None:
         """Collective: raise ``RuntimeError(message)`` on every rank unless every rank passed the same ``values``."""
         mine = torch.tensor(values, dtype=torch.float64, device=device)
@@ -416,32 +421,3 @@ class Communicator:
             works.append(all_gather_into(layout.bucket(flat, b), own, self.group, point_to_point=False))
         for w in reversed(works):  # the last bucket first: fewer blocking waits
             w.wait()
-
-
-class DelayedCommunicator(Communicator):
-    """A ``Communicator`` whose rounds each take ``delay_s`` longer (sleeps in the background thread, half
-    before the reduce-scatter and half before the all-gather, as a slow link slows both).
-
-    Emulates a slow link without using CPU, for overlap experiments and tests: in a fixed-mode ACCO step the
-    delay hides behind compute up to the length of a half.
-    """
-
-    def __init__(self, delay_s: float, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.delay_s = delay_s
-
-    def reduce_scatter(
-        self, layout: FlatLayout, flat: torch.Tensor, shard: torch.Tensor, feedback: quant.ErrorFeedback | None = None
-    ) -> None:
-        time.sleep(self.delay_s / 2)
-        super().reduce_scatter(layout, flat, shard, feedback)
-
-    def all_gather_packed(self, recv: torch.Tensor, send: torch.Tensor) -> dist.Work:
-        """Row r of ``recv`` ((world_size, n) int8) <- rank r's ``send`` ((n,) int8), asynchronously (the packed
-        int8 or int4 changes of ``deltas.DeltaGather``). Not delayed: a round whose changes travel packed takes
-        only the reduce-scatter's half of ``delay_s``."""
-        return all_gather_into(recv.view(-1), send, self.group)
-
-    def all_gather(self, layout: FlatLayout, shard: torch.Tensor | None, flat: torch.Tensor) -> None:
-        time.sleep(self.delay_s / 2)
-        super().all_gather(layout, shard, flat)

@@ -26,6 +26,7 @@ from torch.optim.adam import adam as functional_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
 from hf_acco.comm.sharding import Segment
+from hf_acco.engine.kept import Kept
 
 # Optimizers whose update of an element depends only on that element's gradient, parameter and state.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -140,6 +141,10 @@ class ShardOptimizer:
         return self.grad
 
     # ---- updates ------------------------------------------------------------------------------------------
+
+    def keep(self) -> Kept:
+        """The master and state as they are now, to put back (``Kept.restore``) after an update that must not stand."""
+        return Kept(self)
 
     def commit(self, hparams: Sequence[dict[str, Any]], skip: Collection[int] = ()) -> None:
         """One kept optimizer step of the master shard with the gradient in ``self.grad``; the parameters in ``skip``
@@ -363,26 +368,10 @@ class ShardOptimizer:
     @torch.no_grad()
     def _snapshot_estimate(self, out: torch.Tensor) -> None:
         """Any element-wise optimizer: step, read the result, restore master and state bit for bit."""
-        master_backup = self.master.clone()
-        had_state = bool(self.inner.state)
-        state_backup = {
-            p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.inner.state[p].items()}
-            for p in self._seg_params
-            if p in self.inner.state
-        }
+        kept = Kept(self)
         self.inner.step()  # reads the gradient before ``out`` (possibly the same memory) is written
         out.copy_(self.master.view(out.shape))
-        self.master.copy_(master_backup)
-        if not had_state:
-            self.inner.state.clear()
-            return
-        for p, saved in state_backup.items():
-            for k, v in saved.items():
-                cur = self.inner.state[p][k]
-                if torch.is_tensor(cur):
-                    cur.copy_(v)
-                else:
-                    self.inner.state[p][k] = v
+        kept.restore()
 
 
 _ADAM_FLAGS: tuple[str, ...] = ("amsgrad", "weight_decay", "eps", "maximize", "foreach", "capturable")

@@ -8,6 +8,7 @@ tests run it with a fake one and no thread.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -21,6 +22,7 @@ import torch
 
 from hf_acco.comm.communicator import Communicator
 from hf_acco.comm.deltas import PackedRound
+from hf_acco.comm.failures import PeerFailure
 from hf_acco.comm.quant import ErrorFeedback
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.optim import ShardOptimizer, overlaps
@@ -132,6 +134,7 @@ class RoundBody:
         self._new: torch.Tensor | None = None  # packed: this rank's new parameters, (num_buckets, chunk) fp32
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
+        self.vote = False  # a commit applied only once every rank has computed its own (``_commit``)
         self.rank = comm.rank
         self.shard_grad_of = shard_grad_of  # where a round's buffer keeps the shard gradient (None: the shard's own)
         # The global norm's pieces: a run of one parameter in one bucket each. Pieces come in shard order, so a
@@ -307,7 +310,7 @@ class RoundBody:
             grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
         # 5. optimizer update, 6. written into this rank's pieces of ``buf``
         if kind is RoundKind.COMMIT:
-            shard.commit(hparams, skip)
+            self._commit(hparams, skip)
             self._put(buf, shard.master)
         elif narrow:  # the look-ahead in fp32 in place of the gradient, then rounded into the output's pieces
             shard.estimate(hparams, grad, skip)
@@ -315,6 +318,34 @@ class RoundBody:
         else:  # the look-ahead goes straight into this rank's pieces of ``buf``: no shard-sized temporary
             shard.estimate(hparams, own_pieces(layout, buf, self.rank), skip)
         return norm_value, skipped
+
+    def _commit(self, hparams: list, skip: frozenset[int]) -> None:
+        """The commit's optimizer step. Voted (``vote``): every rank keeps its master and state as of the last commit
+        aside (``ShardOptimizer.keep``) until all have stepped theirs and agree (``Communicator.agree``, before any
+        rank sends its new parameters); where any rank could not (its own error, or a peer lost before the vote),
+        every rank puts its last commit back, so no two ranks stand at different steps."""
+        if not self.vote:
+            self.shard.commit(hparams, skip)
+            return
+        kept = self.shard.keep()
+        try:
+            self.shard.commit(hparams, skip)
+        except BaseException:  # this rank's own failure (out of memory): the others learn it from the vote
+            kept.restore()
+            with contextlib.suppress(Exception):  # (a peer lost too: this rank's own error is the one to say)
+                self.comm.agree(False)
+            raise
+        try:
+            agreed = self.comm.agree(True)
+        except BaseException:  # a peer lost: the guard says so
+            kept.restore()
+            raise
+        if not agreed:
+            kept.restore()
+            raise PeerFailure(
+                f"ACCO's commit round was not applied: a peer rank of rank {self.rank} could not complete its update "
+                "(see its error). Every rank keeps the last commit's parameters and optimizer state."
+            )
 
     def global_grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
         """Norm of the per-parameter norms of the shard's gradient ``grad`` (clip_grad_norm_'s formula, so that

@@ -126,6 +126,7 @@ def engine_memory(
     boundary_copy: bool = True,
     fsdp_groups: FSDPGroups | None = None,
     reduce_dtype: torch.dtype | None = None,
+    vote_commits: bool = False,
 ) -> MemoryReport:
     """The engine's memory per rank for ``numel`` trainable parameters on ``world_size`` ranks. ``fsdp_shard``: the
     ranks of a machine that shard the model with FSDP2 (docs/hsdp.md): the engine then holds one FSDP shard's
@@ -134,7 +135,8 @@ def engine_memory(
     holds int8 rows (None: the engine's rule for these settings). ``boundary_copy``: acco's host copy of the
     boundary's model shard (``ACCOOptimizer(boundary_copy=...)``: kept by hand-written loops, not by ACCOTrainer).
     ``fsdp_groups``: the sizes of the groups FSDP all-gathers (``device_memory``; None: assumed from ``numel``),
-    ``reduce_dtype``: FSDP's reduce-scatter dtype (None: the model's, Accelerate's policy)."""
+    ``reduce_dtype``: FSDP's reduce-scatter dtype (None: the model's, Accelerate's policy). ``vote_commits``: the
+    last commit kept aside until the ranks agree (``ACCOOptimizer.vote_commits``)."""
     groups = fsdp_groups or (device_memory.assumed_groups(numel) if fsdp_shard > 1 else None)
     communicators = device_memory.nccl_communicators(fsdp_shard, two_level=False)
     if fsdp_shard > 1:
@@ -178,6 +180,8 @@ def engine_memory(
         "round: Adam estimate windows": estimate_temporaries(optimizer, narrow) * window * fp32,
         "round: commit step (the inner optimizer's own temporaries)": shard * fp32 if optimizer == "foreach" else 0,
     }
+    if vote_commits:  # (engine/kept.py: the master and every per-element state vector)
+        round_pool["round: the last commit, kept until the ranks agree"] = (1 + state_per_element) * shard * fp32
     if schedule == "sync":  # no estimate round
         round_pool.pop("round: Adam estimate windows")
     temporaries = {"main thread at a step boundary (no shard-sized copy)": 0}
@@ -237,6 +241,7 @@ def engine_memory_of(opt) -> MemoryReport:  # noqa: ANN001 - an ACCOOptimizer (n
         optimizer="fused" if fused else "foreach",
         packed=opt.buffers.packed is not None,
         boundary_copy=opt._boundary_copy,
+        vote_commits=opt.vote_commits,
     )
 
 
