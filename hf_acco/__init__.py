@@ -9,7 +9,7 @@ The public API: ``ACCOTrainer`` / ``ACCOConfig`` (a drop-in for ``transformers.T
 import importlib
 
 from hf_acco.comm.communicator import Communicator
-from hf_acco.comm.groups import check_world_size, end_training
+from hf_acco.comm.groups import check_world_size
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.core import (
     ACCOOptimizer,
@@ -31,6 +31,7 @@ _GLUE = {
     "ACCOTrainerMixin": "trainer",
     "prepare_acco": "accelerate",
     "acco_dataloader": "accelerate",
+    "end_training": "teardown",
 }
 
 

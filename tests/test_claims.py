@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
+from hf_acco.comm.groups import default_store
+from hf_acco.pacing.claims import ClaimingBatchSampler
 from hf_acco.tools.multiprocess import run_ranks
 
 N, BATCH = 203, 4  # a short last batch

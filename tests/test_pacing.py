@@ -14,8 +14,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_acco import ACCOOptimizer
+from hf_acco.comm.groups import default_store
 from hf_acco.engine.schedule import Phase
-from hf_acco.pacing.claims import ClaimingBatchSampler, StreamTickets, default_store
+from hf_acco.pacing.claims import ClaimingBatchSampler, StreamTickets
 from hf_acco.pacing.pacer import Pacer
 from hf_acco.tools.multiprocess import run_ranks
 

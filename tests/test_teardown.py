@@ -1,5 +1,5 @@
-"""A run's end (hf_acco.comm.groups.end_training): the DDP wrapper is gone before the process group is destroyed,
-the order in which no rank can hang at exit (2 forked ranks, a plain Trainer under DDP)."""
+"""A run's end (hf_acco.integrations.teardown.end_training): the DDP wrapper is gone before the process group is
+destroyed, the order in which no rank can hang at exit (2 forked ranks, a plain Trainer under DDP)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _train_then_end(rank: int, world_size: int, out: str, ordered: bool) -> dict
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from hf_acco.comm.groups import end_training
+    from hf_acco.integrations.teardown import end_training
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(

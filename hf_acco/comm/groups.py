@@ -1,10 +1,10 @@
-"""Process-group helpers: the round group's options, the launch checks, and what the Trainer glue and the Accelerate
-hook share (torch only, so that a hand-written Accelerate loop does not load transformers)."""
+"""Process-group helpers: the run's world (its size, this rank, a barrier, a flag any rank raised, the store the
+claims meet in), the round group's options, the launch checks, and what the Trainer glue and the Accelerate hook
+share. Every torch.distributed call of the package outside the tools is in ``comm/`` (tests/test_layers.py)."""
 
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import uuid
 import warnings
@@ -25,39 +25,53 @@ def ensure_process_group(device: torch.device) -> None:
 def agreed_key(kind: str) -> str:
     """A name for this run's claim counters, rank 0's on every rank (collective)."""
     key = [f"hf_acco/{kind}/{uuid.uuid4().hex}"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.broadcast_object_list(key, src=0)
     return key[0]
 
 
 def every_rank(obj: Any) -> list[Any]:
     """Collective: every rank's ``obj``, in rank order."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
+    out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
-def end_training(accelerator: Any, trainer: Any = None) -> None:
-    """A run's last distributed act, in the order that cannot hang at exit: every rank here, then the wrapped
-    models released, then the process groups destroyed (``accelerator.end_training()``). Call it last; the
-    caller drops its own references to a DistributedDataParallel model before it.
+def world_size() -> int:
+    """The number of processes of the run (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
-    A DistributedDataParallel model that outlives ``destroy_process_group()`` is left holding the last reference
-    to the gloo process group, in its C++ reducer. torch binds the reducer without giving up the GIL in its
-    destructor, so the group's destructor, which joins its worker threads, then runs with the GIL held, while a
-    worker thread that still has to let go of a finished collective's tensors waits for the GIL: that rank never
-    exits (seen in CI: the main thread in a destructor as ``main()`` returned, a second thread with no Python frame).
-    Released first, the model drops a reference that the process-group registry still holds; the registry lets go
-    of the last one from Python, and that destructor does give up the GIL while it joins.
-    """
-    accelerator.wait_for_everyone()
-    if trainer is not None:
-        trainer.model_wrapped = trainer.model  # the Trainer's reference to the wrapper
-    accelerator.free_memory()  # Accelerate's references to what it prepared (the wrapper among them)
-    gc.collect()  # a wrapper held only in reference cycles goes now, not at exit
-    accelerator.end_training()
+
+def world_rank() -> int:
+    """This process's rank in the run (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    """Every rank of the run here before any goes on (nothing to wait for on one)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def any_rank(flag: torch.Tensor) -> torch.Tensor:
+    """``flag`` (on the process group's device) <- its largest value over the run's ranks, in place: whether any
+    rank raised it."""
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
+
+
+def default_store() -> dist.Store:
+    """The c10d store the default process group was built on (every rank's counters meet there)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def claims_store() -> dist.Store:
+    """Where the ranks' claims of micro-batches meet (``pacing.claims``): the run's store, or a store of this
+    process's own when it trains alone."""
+    return default_store() if world_size() > 1 else dist.HashStore()
 
 
 MAX_CTAS = "HF_ACCO_ROUND_MAX_CTAS"  # caps the CTAs (channels) of the round's NCCL communicators (docs/tuning.md)

@@ -11,6 +11,11 @@ import torch
 import torch.distributed as dist
 
 
+def member_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (the world's: None)."""
+    return dist.get_rank(group)
+
+
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every member's ``obj`` (picklable, small), in rank order of ``group``."""
     out: list[Any] = [None] * dist.get_world_size(group)

@@ -9,38 +9,38 @@ of the master and of each per-element state vector (AdamW: three shard-sized fp3
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from hf_acco.engine.optim import ShardOptimizer
-
 
 class Kept:
-    """``shard``'s master and state as they are now; ``restore()`` puts them back (the shard's own tensors keep their
-    storage: views stay views). Reads ``ShardOptimizer``'s internals: it is that class's helper."""
+    """A shard's ``master`` and the state ``inner`` (its torch optimizer) holds for ``params`` (its segments), as
+    they are now, with its per-element vectors by name (``flat``); ``restore()`` puts them back (the shard's own
+    tensors keep their storage: views stay views). ``ShardOptimizer.keep`` makes one."""
 
-    def __init__(self, shard: ShardOptimizer) -> None:
-        self.shard = shard
-        self.master = shard.master.clone()
+    def __init__(
+        self, master: torch.Tensor, inner: torch.optim.Optimizer, params: Sequence[Any], flat: dict[str, torch.Tensor]
+    ) -> None:
+        self.live, self.inner, self.params, self.flat = master, inner, list(params), flat
+        self.master = master.clone()
         self.state: dict[Any, dict[str, Any]] = {
-            p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in shard.inner.state[p].items()}
-            for p in shard._seg_params
-            if p in shard.inner.state
+            p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in inner.state[p].items()}
+            for p in self.params
+            if p in inner.state
         }
-        self.flat_keys = set(shard._flat_state)
+        self.flat_keys = set(flat)
 
     @torch.no_grad()
     def restore(self) -> None:
-        shard = self.shard
-        shard.master.copy_(self.master)
-        for p in shard._seg_params:
+        self.live.copy_(self.master)
+        for p in self.params:
             saved = self.state.get(p)
             if saved is None:  # stepped for the first time by the update undone: no state, as before it
-                shard.inner.state.pop(p, None)
+                self.inner.state.pop(p, None)
                 continue
-            current = shard.inner.state[p]
+            current = self.inner.state[p]
             for key in [k for k in current if k not in saved]:
                 del current[key]
             for key, value in saved.items():
@@ -49,5 +49,5 @@ class Kept:
                     now.copy_(value)
                 else:
                     current[key] = value
-        for key in set(shard._flat_state) - self.flat_keys:
-            del shard._flat_state[key]
+        for key in set(self.flat) - self.flat_keys:
+            del self.flat[key]

@@ -144,7 +144,7 @@ class ShardOptimizer:
 
     def keep(self) -> Kept:
         """The master and state as they are now, to put back (``Kept.restore``) after an update that must not stand."""
-        return Kept(self)
+        return Kept(self.master, self.inner, self._seg_params, self._flat_state)
 
     def commit(self, hparams: Sequence[dict[str, Any]], skip: Collection[int] = ()) -> None:
         """One kept optimizer step of the master shard with the gradient in ``self.grad``; the parameters in ``skip``
@@ -368,7 +368,7 @@ class ShardOptimizer:
     @torch.no_grad()
     def _snapshot_estimate(self, out: torch.Tensor) -> None:
         """Any element-wise optimizer: step, read the result, restore master and state bit for bit."""
-        kept = Kept(self)
+        kept = self.keep()
         self.inner.step()  # reads the gradient before ``out`` (possibly the same memory) is written
         out.copy_(self.master.view(out.shape))
         kept.restore()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hf_acco.comm.sharding import FlatLayout
-from hf_acco.comm.transfer import gather_objects, send_receive
+from hf_acco.comm.transfer import gather_objects, member_rank, send_receive
 from hf_acco.engine.shard_state import PER_RANK, merge_param_scalars, resharded, runs_from, shard_vectors
 
 
@@ -32,7 +32,7 @@ def reshard_in_memory(
     at a step boundary, host tensors: gloo's point to point). Collective over ``group``; returns None where this
     member leaves. Raises the same error on every member where an old shard is held by none, or the new ranks are
     not 0..R'-1 once each."""
-    me = dist.get_rank(group)
+    me = member_rank(group)
     heads = {s["rank"]: _head(s) for s in held}
     everyone = gather_objects({"new_rank": new_rank, "heads": heads}, group)
     holders: dict[int, int] = {}

@@ -39,18 +39,17 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate.optimizer import AcceleratedOptimizer
 from torch.utils.data import DataLoader
 
 from accelerate import Accelerator
-from hf_acco.comm.groups import agreed_key, check_world_size, ensure_process_group
+from hf_acco.comm.groups import agreed_key, check_world_size, claims_store, ensure_process_group
 from hf_acco.comm.module_buffers import BufferSync
 from hf_acco.engine.checkpoint import import_torch_state, load_optimizer_state, save_optimizer_state
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.engine.torch_format import over_kept_parameters, steps_taken
 from hf_acco.integrations import fsdp
-from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
+from hf_acco.pacing.claims import ClaimingBatchSampler
 from hf_acco.pacing.pacer import Pacer
 
 logger = logging.getLogger(__name__)
@@ -277,7 +276,7 @@ def acco_dataloader(
     number of ranks. Collective: every rank (they agree on the claim counter's name).
     """
     ensure_process_group(accelerator.device)
-    store = default_store() if dist.get_world_size() > 1 else dist.HashStore()
+    store = claims_store()
     sampler = ClaimingBatchSampler(store, len(dataset), batch_size, seed=seed, drop_last=drop_last, shuffle=shuffle,
                                    num_replicas=accelerator.num_processes, key=agreed_key("claims"))  # fmt: skip
     loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)

@@ -1,5 +1,6 @@
 """What a fair DDP baseline needs beside ACCO (the recipes' ``--method ddp`` and the benchmarks): torch's bf16
-compression hook where DDP refuses it, and a check that the baseline did train under DDP (torch only)."""
+compression hook where DDP refuses it (``comm/ddp_hooks.py``), its config, and a check that the baseline did train
+under DDP (torch only)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,10 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from hf_acco.comm.ddp_hooks import bf16_wire_hook
 
-def bf16_wire_hook(process_group, bucket):  # noqa: ANN001, ANN201 - DDP checks the annotations' objects
-    """torch's ``default_hooks.bf16_compress_hook``, which DDP refuses by name off NCCL: each bucket averaged in
-    bf16 on the wire."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size(group))
-    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(done: torch.futures.Future) -> torch.Tensor:
-        return bucket.buffer().copy_(done.value()[0])
-
-    return future.then(decompress)
+__all__ = ["baseline_arguments", "bf16_wire_hook", "check_ddp_wrapped"]
 
 
 def baseline_arguments(args: Any, config_cls: type) -> Any:

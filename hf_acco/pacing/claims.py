@@ -25,16 +25,11 @@ import torch.distributed as dist
 _SAMPLERS = itertools.count()  # every rank builds its samplers in the same order: the same counter names
 
 
-def default_store() -> dist.Store:
-    """The c10d store the default process group was built on (every rank's counters meet there)."""
-    return dist.distributed_c10d._get_default_store()
-
-
 class ClaimingBatchSampler:
     """Batches of a seeded per-epoch permutation of ``range(num_samples)``, claimed one at a time from ``store``.
 
     Args:
-        store: a c10d store shared by the ranks (``default_store()``; tests pass a FileStore or HashStore).
+        store: a c10d store shared by the ranks (``comm.groups.claims_store()``; tests pass a FileStore or HashStore).
         num_samples: the dataset's length.
         batch_size: samples per micro-batch.
         seed: the permutation's seed (the same on every rank); ``epoch`` is added to it, as DistributedSampler does.

@@ -32,8 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import torch.distributed as dist
-
+from hf_acco.comm.groups import every_rank, world_rank, world_size
 from hf_acco.engine.schedule import Accumulation
 from hf_acco.pacing.claims import ClaimingBatchSampler, StreamTickets
 
@@ -166,10 +165,7 @@ class Pacer:
         state = {"format": STATE_FORMAT, "epoch": self.epoch, "cursor": self.cursor, **self.sampler.identity()}
         if self.sampler.endless:  # the batch held for the next step is taken again after a resume
             mine = (self._passes, self._taken - (self._held is not None))
-            positions = [mine] * (dist.get_world_size() if dist.is_initialized() else 1)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_gather_object(positions, mine)
-            state["streams"] = [list(p) for p in positions]
+            state["streams"] = [list(p) for p in every_rank(mine)]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -184,7 +180,7 @@ class Pacer:
                     "the same dataset (map-style or streamed), batch size and seed."
                 )
         if self.sampler.endless:
-            world = dist.get_world_size() if dist.is_initialized() else 1
+            world = world_size()
             if len(state["streams"]) != world:
                 raise ValueError(
                     f"The saved position is in {len(state['streams'])} ranks' streams (an IterableDataset, one shard "
@@ -202,4 +198,4 @@ class Pacer:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return world_rank()

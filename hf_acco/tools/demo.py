@@ -50,8 +50,8 @@ def train(args: argparse.Namespace, output_dir: str) -> float:
     from datasets import Dataset
     from transformers import DataCollatorForSeq2Seq, LlamaConfig, LlamaForCausalLM
 
-    from hf_acco.comm.groups import end_training
     from hf_acco.integrations.config import ACCOConfig
+    from hf_acco.integrations.teardown import end_training
     from hf_acco.integrations.trainer import ACCOTrainer
     from hf_acco.tasks.alpaca import build_word_tokenizer, format_prompt, generated_alpaca, tokenize_example
 

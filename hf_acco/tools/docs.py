@@ -362,6 +362,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "bench-ab-off-the-main-stream": lambda: results_docs.bench_ab_table("e08c78f_vs_0c8c23c"),
     "bench-ab-fsdp-on-cuda": lambda: results_docs.bench_ab_table("408794f_vs_284794d"),
     "bench-ab-fsdp-on-cuda-final": lambda: results_docs.bench_ab_table("408794f_vs_e62cbd1"),
+    "bench-ab-voted-commit": lambda: results_docs.bench_ab_table("c5966a9_vs_6f83d24-dirty"),
     "bench-ab-gloo-all-gather-first": lambda: results_docs.bench_ab_table("691166d_vs_691166d-dirty"),
     "beside-bisect": lambda: results_docs.beside_table(
         "bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")

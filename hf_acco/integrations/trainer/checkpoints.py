@@ -14,21 +14,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_acco.comm.communicator import node
 from hf_acco.comm.failures import PeerFailure
-from hf_acco.comm.groups import every_rank
+from hf_acco.comm.groups import any_rank, barrier, every_rank
 from hf_acco.engine.checkpoint import import_torch_state, load_optimizer_state, missing_shards, save_optimizer_state
 from hf_acco.engine.shard_files import atomic_save, atomic_write_json, part_folders, shard_files
 from hf_acco.engine.torch_format import FROM_SHARDS, local_state_from_full, scheduler_with_empty_groups
 from hf_acco.integrations import fsdp
 from hf_acco.integrations.trainer.engine import engine_of
 
-if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
-    from hf_acco.integrations.trainer.mixin import ACCOTrainerMixin
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin, seen through the attributes they use
+    from hf_acco.integrations.trainer.run_state import TrainerParts
 
 logger = logging.getLogger(__name__)
 
@@ -211,18 +210,19 @@ def peer_failure(args: TrainingArguments, error: BaseException) -> PeerFailure:
     )
 
 
-def save_engine_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
+def save_engine_state(trainer: TrainerParts, output_dir: str) -> None:
     """Every rank's optimizer shard; on the writing process the scheduler and, with paced accumulation, the position
     in the epoch (the same on every rank at a step boundary)."""
     save_optimizer_state(engine_of(trainer), output_dir)  # every rank writes its own shard
-    data = trainer._pacer.state_dict() if trainer._pacer is not None else None  # collective with streams
+    pacer = trainer.acco_run.pacer
+    data = pacer.state_dict() if pacer is not None else None  # collective with streams
     if trainer.args.should_save:
         atomic_save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))  # type: ignore[union-attr]
         if data is not None:
             atomic_write_json(data, os.path.join(output_dir, DATA_STATE_NAME))
 
 
-def save_fsdp_model_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
+def save_fsdp_model_state(trainer: TrainerParts, output_dir: str) -> None:
     """The committed parameters in Accelerate's FSDP model files (``pytorch_model_fsdp.bin``, or the sharded folder
     with ``SHARDED_STATE_DICT``), as Trainer's FSDP checkpoint has them: its resume loads them. Collective."""
     from accelerate.utils import save_fsdp_model
@@ -233,7 +233,7 @@ def save_fsdp_model_state(trainer: ACCOTrainerMixin, output_dir: str) -> None:
                         **get_fsdp_ckpt_kwargs())  # fmt: skip
 
 
-def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
+def load_engine_state(trainer: TrainerParts, checkpoint: str) -> None:
     acco = engine_of(trainer)
     plain = every_rank(trainer_checkpoint_kind(checkpoint))  # the same path on every rank (collectives follow)
     if len(set(plain)) > 1:
@@ -255,7 +255,7 @@ def load_engine_state(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
         trainer.lr_scheduler.load_state_dict(state)  # type: ignore[union-attr]  # (Trainer's, built by then)
 
 
-def clear_for_rewrite(trainer: ACCOTrainerMixin, trial: Any) -> None:
+def clear_for_rewrite(trainer: TrainerParts, trial: Any) -> None:
     """Before a checkpoint is written: where this step was saved before (a run resumed from an earlier step, or a
     plain Trainer run into the same output_dir), its ``trainer_state.json`` and a plain Trainer optimizer state go
     first. The checkpoint is then incomplete until the new trainer state is written (after every rank's files), and
@@ -269,7 +269,7 @@ def clear_for_rewrite(trainer: ACCOTrainerMixin, trial: Any) -> None:
     shutil.rmtree(os.path.join(folder, FSDP_SHARDED_OPTIMIZER), ignore_errors=True)  # (never ACCOTrainer's)
 
 
-def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
+def import_trainer_optimizer(trainer: TrainerParts, checkpoint: str) -> None:
     """Plain Trainer's ``optimizer.pt`` into the engine (collective): the same moments, each parameter's step count,
     the groups' hyper-parameters, every rank reading only its own ranges (memory-mapped); the master weights are
     the model Trainer has just loaded from the checkpoint's model files, the engine's step count the checkpoint's
@@ -290,7 +290,7 @@ def import_trainer_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None
     logger.info("Resumed plain Trainer's optimizer state from %s (%d steps)", checkpoint, steps)
 
 
-def import_trainer_fsdp_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
+def import_trainer_fsdp_optimizer(trainer: TrainerParts, checkpoint: str) -> None:
     """Plain Trainer's FSDP ``optimizer.bin`` (the whole optimizer state by parameter name) into the engine over FSDP
     inside machines (collective): each rank takes its FSDP shard's piece of each tensor, as FSDP2 shards the
     parameter (its DTensor's placement on the machine's mesh), then its own ranges of that, memory-mapped; the
@@ -320,8 +320,7 @@ def import_trainer_fsdp_optimizer(trainer: ACCOTrainerMixin, checkpoint: str) ->
 def ranks_meet_before_trainer_state() -> None:
     """Every rank's files are on disk before rank 0 writes trainer_state.json, which marks the checkpoint complete
     (see checkpoint_incomplete): a checkpoint cut short by a crash is never resumed from."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    barrier()
 
 
 class _JITAgreement(TrainerCallback):
@@ -333,7 +332,7 @@ class _JITAgreement(TrainerCallback):
     and then all raise the flag the JIT callback checks, which saves at that step boundary and stops.
     """
 
-    def __init__(self, trainer: ACCOTrainerMixin, manager: Any) -> None:
+    def __init__(self, trainer: TrainerParts, manager: Any) -> None:
         self.trainer, self.manager, self.pending = trainer, manager, False
         manager._enable_checkpoint = self._mark  # called by the SIGTERM timer thread
         original = manager.execute_jit_checkpoint
@@ -356,8 +355,7 @@ class _JITAgreement(TrainerCallback):
             folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(trainer._get_output_dir(trial=None), folder, JIT_SENTINEL))
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.barrier()
+            barrier()
             return out
 
         own = "_save_checkpoint" in vars(trainer)  # already set on the instance (by its user): put it back after
@@ -371,15 +369,12 @@ class _JITAgreement(TrainerCallback):
                 del trainer._save_checkpoint  # the class's method again
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        flag = torch.tensor([1.0 if self.pending else 0.0], device=args.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        if any_rank(torch.tensor([1.0 if self.pending else 0.0], device=args.device)).item():
             self.pending = False
             self.manager.is_checkpoint_requested = True
 
 
-def agree_on_jit_checkpoints(trainer: ACCOTrainerMixin) -> None:
+def agree_on_jit_checkpoints(trainer: TrainerParts) -> None:
     """Put a _JITAgreement callback in front of transformers' JIT checkpoint callback, if there is one."""
     callbacks = trainer.callback_handler.callbacks
     for i, cb in enumerate(callbacks):
@@ -390,7 +385,7 @@ def agree_on_jit_checkpoints(trainer: ACCOTrainerMixin) -> None:
 
 
 @contextlib.contextmanager
-def model_files_on_this_node(trainer: ACCOTrainerMixin) -> Any:
+def model_files_on_this_node(trainer: TrainerParts) -> Any:
     """With ``save_on_each_node``, each node's first process writes the model files too (every node holds the full
     parameters: a per-node checkpoint then resumes without a shared file system). transformers 5.24's
     ``save_pretrained`` writes on global rank 0 only (``should_save_on_this_rank``); Trainer passes

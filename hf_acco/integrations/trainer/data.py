@@ -26,32 +26,33 @@ from datasets.distributed import split_dataset_by_node
 from transformers.trainer_pt_utils import IterableDatasetShard, LengthGroupedSampler, get_length_grouped_indices
 from transformers.trainer_utils import has_length, seed_worker
 
+from hf_acco.comm.groups import claims_store
 from hf_acco.integrations.trainer.checkpoints import DATA_STATE_NAME
-from hf_acco.pacing.claims import ClaimingBatchSampler, StreamTickets, default_store
+from hf_acco.pacing.claims import ClaimingBatchSampler, StreamTickets
 from hf_acco.pacing.pacer import Pacer
 
-if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
-    from hf_acco.integrations.trainer.mixin import ACCOTrainerMixin
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin, seen through the attributes they use
+    from hf_acco.integrations.trainer.run_state import TrainerParts
 
 logger = logging.getLogger(__name__)
 
 
-def pacer_of(trainer: ACCOTrainerMixin) -> Pacer:
+def pacer_of(trainer: TrainerParts) -> Pacer:
     """The trainer's pacer, which paced accumulation's ``get_train_dataloader`` builds."""
-    if trainer._pacer is None:
+    if trainer.acco_run.pacer is None:
         raise RuntimeError(
             "ACCOTrainer builds its pacer with the train dataloader (paced accumulation): there is none yet."
         )
-    return trainer._pacer
+    return trainer.acco_run.pacer
 
 
-def build_pacer(trainer: ACCOTrainerMixin) -> Pacer:
+def build_pacer(trainer: TrainerParts) -> Pacer:
     """Trainer's data pipeline (unused columns, collator, workers, seed, sampling strategy) over batches claimed
     from one shared, seeded order of the dataset: every sample once per epoch, whatever the ranks' speeds."""
     args, dataset = trainer.args, trainer.train_dataset
     if dataset is None:
         raise ValueError("Trainer: training requires a train_dataset.")
-    store = default_store() if dist.is_initialized() and dist.get_world_size() > 1 else dist.HashStore()
+    store = claims_store()
     if isinstance(dataset, torch.utils.data.IterableDataset) or not has_length(dataset):
         return build_stream_pacer(trainer, dataset, store)
     collator = trainer.data_collator
@@ -92,7 +93,7 @@ def build_pacer(trainer: ACCOTrainerMixin) -> Pacer:
     return Pacer(loader, sampler, args.world_size * args.gradient_accumulation_steps)
 
 
-def build_stream_pacer(trainer: ACCOTrainerMixin, dataset: Any, store: dist.Store) -> Pacer:
+def build_stream_pacer(trainer: TrainerParts, dataset: Any, store: dist.Store) -> Pacer:
     """An IterableDataset: every rank reads its own shard (datasets' split_dataset_by_node, else Trainer's
     IterableDatasetShard) at its own pace, starting it again when it ends; the batches are numbered from one
     shared counter, so the steps are global batches as for a map-style dataset. Needs ``max_steps``."""
@@ -113,7 +114,7 @@ def build_stream_pacer(trainer: ACCOTrainerMixin, dataset: Any, store: dist.Stor
     return Pacer(loader, tickets, args.world_size * args.gradient_accumulation_steps)
 
 
-def length_grouped_order(trainer: ACCOTrainerMixin, dataset: Any, seed: int) -> Any:
+def length_grouped_order(trainer: TrainerParts, dataset: Any, seed: int) -> Any:
     """group_by_length: Trainer's grouping of similar lengths, seeded per epoch the same way on every rank."""
     column, batch_size = trainer.args.length_column_name, trainer._train_batch_size
     lengths = dataset[column] if isinstance(dataset, datasets.Dataset) and column in dataset.column_names else None
@@ -128,7 +129,7 @@ def length_grouped_order(trainer: ACCOTrainerMixin, dataset: Any, seed: int) -> 
     return order
 
 
-def restore_position(trainer: ACCOTrainerMixin, checkpoint: str) -> None:
+def restore_position(trainer: TrainerParts, checkpoint: str) -> None:
     """The epoch and the position in it from a checkpoint's data state (Trainer would derive them from
     global_step and skip batches by fetching them, which here would claim them); with epochs, the steps the data
     has left at this world size."""

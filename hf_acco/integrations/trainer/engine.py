@@ -27,28 +27,29 @@ from hf_acco.integrations.config import (
     engine_micro_batches,
 )
 
-if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
-    from hf_acco.integrations.trainer.mixin import ACCOTrainerMixin
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin, seen through the attributes they use
+    from hf_acco.integrations.trainer.run_state import TrainerParts
 
 ALLOW_CUSTOM = "set acco_allow_custom_optimizer=True and pass it as optimizer_cls_and_kwargs=(cls, kwargs)"
 
 
-def sync_buffers(trainer: ACCOTrainerMixin, model: torch.nn.Module) -> None:
+def sync_buffers(trainer: TrainerParts, model: torch.nn.Module) -> None:
     """DDP's ``broadcast_buffers`` (Trainer's ``ddp_broadcast_buffers``; unset is DDP's default, True): rank 0's
     buffers before the first forward of each accumulation window (``BufferSync``), once per model. Not with
     paced accumulation (refused or said in ``check_args`` / ``check_trainer``), nor on one rank."""
     args = trainer.args
-    current = getattr(trainer, "_acco_buffer_sync", None)
+    run = trainer.acco_run
+    current = run.buffer_sync
     if current is not None and current.module is model:
         return
     if current is not None:
         current.remove()
-    trainer._acco_buffer_sync = None  # type: ignore[attr-defined]
+    run.buffer_sync = None
     if args.ddp_broadcast_buffers is False or engine_accumulation(args) == "paced" or args.world_size < 2:
         return
     if fsdp.is_sharded(model):  # FSDP shards the buffers' modules too and, as Trainer's HSDP, broadcasts none
         return
-    trainer._acco_buffer_sync = BufferSync(model, lambda: trainer.accelerator.sync_gradients)  # type: ignore[attr-defined]
+    run.buffer_sync = BufferSync(model, lambda: trainer.accelerator.sync_gradients)
 
 
 def check_takeover(optimizer: Any, training_args: TrainingArguments | None) -> None:
@@ -92,7 +93,7 @@ def check_args(training_args: TrainingArguments) -> None:
         )
 
 
-def check_trainer(trainer: ACCOTrainerMixin) -> None:
+def check_trainer(trainer: TrainerParts) -> None:
     """What only a built Trainer can tell: its data, its optimizer class, the launch, a paced acco step's size."""
     args = trainer.args
     if (
@@ -142,30 +143,31 @@ def check_trainer(trainer: ACCOTrainerMixin) -> None:
         )
 
 
-def engine_of(trainer: ACCOTrainerMixin) -> ACCOOptimizer:
+def engine_of(trainer: TrainerParts) -> ACCOOptimizer:
     """The trainer's engine, which ``create_optimizer`` builds at the start of ``train()``."""
-    if trainer.acco is None:
+    if trainer.acco_run.engine is None:
         raise RuntimeError("ACCOTrainer builds its ACCO engine in train() (create_optimizer): there is none yet.")
-    return trainer.acco
+    return trainer.acco_run.engine
 
 
-def reuse_engine(trainer: ACCOTrainerMixin) -> torch.optim.Optimizer | None:
+def reuse_engine(trainer: TrainerParts) -> torch.optim.Optimizer | None:
     """The engine of an earlier ``train()`` to go on with, or None to build one (Trainer calls create_optimizer at
     every train()). The engine released its hooks and thread when the last training ended: train() again goes on
     with the same engine and state, as Trainer goes on with its optimizer. An engine left mid-step by a failed
     attempt (Trainer's auto batch size retry) is released and replaced."""
-    if trainer.acco is not None and trainer.optimizer is not None:
-        if trainer.acco.closed:
-            trainer.acco.reopen()
+    acco = trainer.acco_run.engine
+    if acco is not None and trainer.optimizer is not None:
+        if acco.closed:
+            acco.reopen()
             return trainer.optimizer
-        if trainer.acco.pristine:
+        if acco.pristine:
             return trainer.optimizer
-        trainer.acco.close()
+        acco.close()
         trainer.optimizer = None
     return None
 
 
-def optimizer_groups(trainer: ACCOTrainerMixin, model: torch.nn.Module, taken: Any) -> tuple[type, dict, list[dict]]:
+def optimizer_groups(trainer: TrainerParts, model: torch.nn.Module, taken: Any) -> tuple[type, dict, list[dict]]:
     """The optimizer's class, settings and parameter groups: those of an instance the user passed (checked in
     __init__), else Trainer's choice (``optim`` or ``optimizer_cls_and_kwargs``) over its weight-decay groups."""
     if taken is not None:
@@ -187,7 +189,7 @@ def optimizer_groups(trainer: ACCOTrainerMixin, model: torch.nn.Module, taken: A
     return cls, kwargs, groups
 
 
-def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> torch.optim.Optimizer:
+def build_engine(trainer: TrainerParts, model: torch.nn.Module | None) -> torch.optim.Optimizer:
     """Trainer's ``create_optimizer``: the ACCOOptimizer with the trainer's settings, prepared by Accelerate."""
     sharded = fsdp.hsdp_layout(trainer.accelerator) is not None  # FSDP inside machines (docs/hsdp.md)
     if sharded:
@@ -212,8 +214,9 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
     optimizer_cls, optimizer_kwargs, groups = optimizer_groups(trainer, model, taken)
     check_elementwise(optimizer_cls, acco_setting(args, "acco_allow_custom_optimizer"), ALLOW_CUSTOM)
     ensure_process_group(trainer.accelerator.device)
-    trainer._logged_totals = {}  # a new engine's figures start from zero
-    trainer.acco = ACCOOptimizer(
+    run = trainer.acco_run
+    run.logged_totals = {}  # a new engine's figures start from zero
+    run.engine = acco = ACCOOptimizer(
         groups,  # empty ones too: the groups of Trainer's optimizer, so that its checkpoints and ours match
         optimizer_cls=optimizer_cls,
         schedule=acco_setting(args, "acco_schedule"),
@@ -238,20 +241,20 @@ def build_engine(trainer: ACCOTrainerMixin, model: torch.nn.Module | None) -> to
     )
     scheduler = trainer.lr_scheduler
     if taken is not None and scheduler is not None and getattr(scheduler, "optimizer", None) is taken:
-        scheduler.optimizer = trainer.acco  # the user's schedule now sets the engine's learning rates
+        scheduler.optimizer = acco  # the user's schedule now sets the engine's learning rates
     # prepared here without the state_dict round trip Accelerate does at prepare time (a collective for us); marked
     # prepared, so that Trainer's accelerator.prepare(model, optimizer) keeps this wrapper as it is
-    trainer.optimizer = trainer.accelerator.prepare_optimizer(trainer.acco, device_placement=False)
+    trainer.optimizer = trainer.accelerator.prepare_optimizer(acco, device_placement=False)
     trainer.optimizer._is_accelerate_prepared = True  # type: ignore[union-attr]
-    trainer._acco_group_params = [list(g["params"]) for g in trainer.acco.param_groups]  # type: ignore[attr-defined]
+    run.group_params = [list(g["params"]) for g in acco.param_groups]
     return trainer.optimizer
 
 
-def restore_param_groups(trainer: ACCOTrainerMixin) -> None:
+def restore_param_groups(trainer: TrainerParts) -> None:
     """The engine's parameter groups as it was built with them. Accelerate's FSDP2 prepare swaps every optimizer
     parameter for the model's by data pointer (``fsdp2_switch_optimizer_parameters``), and every empty local shard
     (a dimension smaller than the machine's ranks) has data pointer 0: one of them would stand for all."""
-    built = getattr(trainer, "_acco_group_params", None)
-    if trainer.acco is not None and built is not None:
-        for group, params in zip(trainer.acco.param_groups, built):
+    run = trainer.acco_run
+    if run.engine is not None and run.group_params is not None:
+        for group, params in zip(run.engine.param_groups, run.group_params):
             group["params"] = params

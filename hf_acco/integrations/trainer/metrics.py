@@ -9,18 +9,18 @@ import torch
 
 from hf_acco.integrations.trainer.engine import engine_of
 
-if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
-    from hf_acco.integrations.trainer.mixin import ACCOTrainerMixin
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin, seen through the attributes they use
+    from hf_acco.integrations.trainer.run_state import TrainerParts
 
 RUN_DEPENDENT_METRICS = ("acco_exposed_comm_s", "acco_round_s")  # logged, not kept in state.log_history
 
 
-def acco_metrics(trainer: ACCOTrainerMixin, paced: bool) -> dict[str, float]:
+def acco_metrics(trainer: TrainerParts, paced: bool) -> dict[str, float]:
     """Per optimizer step since the last log: exposed communication, round time, micro-batches, weight."""
     acco = engine_of(trainer)
     totals = dict(acco.totals)
-    delta = {k: v - trainer._logged_totals.get(k, 0.0) for k, v in totals.items()}
-    trainer._logged_totals = totals
+    delta = {k: v - trainer.acco_run.logged_totals.get(k, 0.0) for k, v in totals.items()}
+    trainer.acco_run.logged_totals = totals
     steps = max(delta["steps"], 1.0)
     out = {
         "acco_exposed_comm_s": delta["wait_s"] / steps,
@@ -36,15 +36,15 @@ def acco_metrics(trainer: ACCOTrainerMixin, paced: bool) -> dict[str, float]:
     return out
 
 
-def per_rank_metrics(trainer: ACCOTrainerMixin, micro_batches: float, steps: float) -> dict[str, float]:
+def per_rank_metrics(trainer: TrainerParts, micro_batches: float, steps: float) -> dict[str, float]:
     """Dynamic mode: every rank's micro-batches and tokens, and the loss of each step's global batch, weighted as
     its gradient (whoever computed which micro-batch), averaged over the steps as Trainer does: what DDP logs,
     not a mean of per-rank means."""
-    args, out = trainer.args, {}
-    tokens, trainer._logged_tokens = trainer._input_tokens - trainer._logged_tokens, trainer._input_tokens
+    args, out, run = trainer.args, {}, trainer.acco_run
+    tokens, run.logged_tokens = run.input_tokens - run.logged_tokens, run.input_tokens
     counts = torch.tensor([micro_batches, tokens], dtype=torch.float64, device=args.device)
-    losses = torch.stack(trainer._step_losses).double().flatten() if trainer._step_losses else counts[:0]
-    trainer._step_losses = []
+    losses = torch.stack(run.step_losses).double().flatten() if run.step_losses else counts[:0]
+    run.step_losses = []
     gathered = trainer.accelerator.gather(torch.cat([counts, losses])).view(args.world_size, -1)
     sums = gathered[:, 2:].sum(0).view(-1, 2)
     if len(sums):

@@ -49,6 +49,7 @@ from hf_acco.engine.schedule import Accumulation
 from hf_acco.integrations import fsdp
 from hf_acco.integrations.config import engine_accumulation, splits_batches
 from hf_acco.integrations.trainer import checkpoints, data, engine, metrics, weights
+from hf_acco.integrations.trainer.run_state import RunState
 from hf_acco.pacing.pacer import Pacer
 
 # Trainer's private methods and attributes the glue overrides or reads: checked against the installed Trainer by
@@ -88,6 +89,7 @@ class ACCOTrainerMixin(_TrainerBase):
         if optimizers is not None and optimizers[0] is not None and not isinstance(optimizers[0], ACCOOptimizer):
             engine.check_takeover(optimizers[0], given.get("args"))
         super().__init__(*args, **kwargs)
+        self.acco_run = RunState()  # the engine, the pacer and the figures the parts share
         engine.check_args(self.args)  # again: a subclass may build or replace its config in __init__ (TRL does)
         if engine_accumulation(self.args) == "paced" and self.args.average_tokens_across_devices:
             # Trainer would gather each micro-batch's token count across ranks, and ranks compute different numbers
@@ -95,12 +97,15 @@ class ACCOTrainerMixin(_TrainerBase):
             self.args.average_tokens_across_devices = False
         engine.check_trainer(self)
         checkpoints.agree_on_jit_checkpoints(self)
-        self.acco: ACCOOptimizer | None = None
-        self._pacer: Pacer | None = None  # paced accumulation: the claimed micro-batches of each step
-        self._logged_totals: dict[str, float] = {}
-        self._input_tokens: float = 0.0  # input tokens this rank computed
-        self._logged_tokens: float = 0.0  # ... and when last logged
-        self._step_losses: list[torch.Tensor] = []  # paced: (loss x weight, weight) per step since the log
+
+    @property
+    def acco(self) -> ACCOOptimizer | None:
+        """The ACCO engine (``None`` until ``train()`` builds it)."""
+        return self.acco_run.engine
+
+    @property
+    def _pacer(self) -> Pacer | None:  # paced accumulation: the claimed micro-batches of each step
+        return self.acco_run.pacer
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train, resuming only from complete checkpoints (``True``: the latest complete on every rank)."""
@@ -157,8 +162,8 @@ class ACCOTrainerMixin(_TrainerBase):
         if engine_accumulation(self.args) != "paced":
             return super().get_train_dataloader()
         # each rank claims the micro-batches it computes (pacing.py); Trainer iterates slots
-        self._pacer, self._step_losses = data.build_pacer(self), []
-        return data.slots(self._pacer)
+        self.acco_run.pacer, self.acco_run.step_losses = data.build_pacer(self), []
+        return data.slots(self.acco_run.pacer)
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         epochs_trained, steps_trained = super()._init_training_state(*args, **kwargs)
@@ -236,10 +241,10 @@ class ACCOTrainerMixin(_TrainerBase):
             loss_sum += mean.detach() * weight
             weight_sum += weight
             self.current_flos += float(self.floating_point_ops(inputs))  # type: ignore[assignment]  # as Trainer
-            self._input_tokens += weights.input_tokens(self, inputs)
+            self.acco_run.input_tokens += weights.input_tokens(self, inputs)
         if pacer.epoch_done:
             self.control.should_epoch_stop = True  # the epoch's batches are all used: every rank ends it here
-        self._step_losses.append(torch.stack([loss_sum, torch.tensor(weight_sum, device=loss_sum.device)]))
+        self.acco_run.step_losses.append(torch.stack([loss_sum, torch.tensor(weight_sum, device=loss_sum.device)]))
         if weight_sum == 0:  # its peers computed all of this step; Trainer's nan filter fills in the mean so far
             return torch.tensor(float("nan") if self.args.logging_nan_inf_filter else 0.0, device=self.args.device)
         return loss_sum / weight_sum

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin
-    from hf_acco.integrations.trainer.mixin import ACCOTrainerMixin
+if TYPE_CHECKING:  # the parts' trainer is always an ACCOTrainerMixin, seen through the attributes they use
+    from hf_acco.integrations.trainer.run_state import TrainerParts
 
 
-def loss_is_scaled(trainer: ACCOTrainerMixin, num_items_in_batch: torch.Tensor | int | None) -> bool:
+def loss_is_scaled(trainer: TrainerParts, num_items_in_batch: torch.Tensor | int | None) -> bool:
     """Whether Trainer normalised the loss by ``num_items_in_batch`` (else by the window's micro-batch count)."""
     if trainer.loss_is_scaled_for_ga is not None:
         return trainer.loss_is_scaled_for_ga
@@ -22,7 +22,7 @@ def loss_is_scaled(trainer: ACCOTrainerMixin, num_items_in_batch: torch.Tensor |
 
 
 def micro_batch_weight(
-    trainer: ACCOTrainerMixin,
+    trainer: TrainerParts,
     inputs: dict[str, Any],
     num_items_in_batch: torch.Tensor | int | None,
     share: float,
@@ -83,7 +83,7 @@ def label_tokens(inputs: dict[str, Any], shifts_labels: bool) -> torch.Tensor:
     return labels.ne(-100).sum()  # where the labels are (read on the host only when the caller needs it)
 
 
-def input_tokens(trainer: ACCOTrainerMixin, inputs: dict[str, Any]) -> float:
+def input_tokens(trainer: TrainerParts, inputs: dict[str, Any]) -> float:
     """The input tokens of a micro-batch as Trainer counts them for ``num_input_tokens_seen``."""
     if "attention_mask" in inputs and trainer.args.include_num_input_tokens_seen != "all":
         return float(inputs["attention_mask"].sum())

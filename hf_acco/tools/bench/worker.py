@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from hf_acco.comm.communicator import Communicator
+from hf_acco.comm.groups import default_store
 from hf_acco.comm.sharding import FlatLayout
 from hf_acco.engine.core import ACCOOptimizer
 from hf_acco.integrations.baselines import bf16_wire_hook
-from hf_acco.pacing.claims import ClaimingBatchSampler, default_store
+from hf_acco.pacing.claims import ClaimingBatchSampler
 from hf_acco.pacing.pacer import Pacer
 from hf_acco.tools.bench import fsdp_runs
 from hf_acco.tools.bench.link import Traffic
