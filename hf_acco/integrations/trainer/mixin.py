@@ -50,7 +50,6 @@ from hf_acco.integrations import fsdp
 from hf_acco.integrations.config import engine_accumulation, splits_batches
 from hf_acco.integrations.trainer import checkpoints, data, engine, metrics, weights
 from hf_acco.integrations.trainer.run_state import RunState
-from hf_acco.pacing.pacer import Pacer
 
 # Trainer's private methods and attributes the glue overrides or reads: checked against the installed Trainer by
 # tests/test_trainer_glue.py (a release that renames one fails there, not in a user's run)
@@ -102,10 +101,6 @@ class ACCOTrainerMixin(_TrainerBase):
     def acco(self) -> ACCOOptimizer | None:
         """The ACCO engine (``None`` until ``train()`` builds it)."""
         return self.acco_run.engine
-
-    @property
-    def _pacer(self) -> Pacer | None:  # paced accumulation: the claimed micro-batches of each step
-        return self.acco_run.pacer
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train, resuming only from complete checkpoints (``True``: the latest complete on every rank)."""
@@ -167,26 +162,27 @@ class ACCOTrainerMixin(_TrainerBase):
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         epochs_trained, steps_trained = super()._init_training_state(*args, **kwargs)
-        if self._pacer is None:
+        pacer = self.acco_run.pacer
+        if pacer is None:
             return epochs_trained, steps_trained
         # the claim counters' name: rank 0's on every rank, agreed here, inside train() where every rank is (a
         # dataloader built by one rank alone, say by a callback, must not shift the names the ranks count on)
-        self._pacer.sampler.key = agreed_key("claims")
+        pacer.sampler.key = agreed_key("claims")
         bound = inspect.signature(super()._init_training_state).bind(*args, **kwargs)
         checkpoint = bound.arguments.get("resume_from_checkpoint")
         if checkpoint is not None:  # the epoch and the position in it from the checkpoint's data state
             data.restore_position(self, checkpoint)
-        return self._pacer.resume_epoch, 0
+        return pacer.resume_epoch, 0
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if self.is_fsdp_enabled:  # called right after Accelerate's FSDP prepare: see engine.restore_param_groups
             engine.restore_param_groups(self)
-        if self._pacer is not None and self.state.max_steps:  # paced accumulation: the horizon restore_position set
+        if self.acco_run.pacer is not None and self.state.max_steps:  # paced: the horizon restore_position set
             num_training_steps = self.state.max_steps
         return super().create_scheduler(num_training_steps, optimizer)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
-        if self._pacer is None:
+        if self.acco_run.pacer is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         return data.window_slots(epoch_iterator, num_batches), None  # the last slot runs the ACCO step
 
@@ -280,8 +276,9 @@ class ACCOTrainerMixin(_TrainerBase):
         # the previous step's for acco and dpu, whose commit round is still in flight when the step ends.
         if self.acco is not None and self.acco.last_commit is not None:
             grad_norm = self.acco.last_commit.grad_norm
-        if self._pacer is not None and not self._pacer.sampler.endless:  # the epoch's fraction: the data used
-            self.state.epoch = self._pacer.progress
+        pacer = self.acco_run.pacer
+        if pacer is not None and not pacer.sampler.endless:  # the epoch's fraction: the data used
+            self.state.epoch = pacer.progress
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     # evaluate and predict, wherever they are called from (the loop, eval_on_start, a callback): see fsdp.reshard
