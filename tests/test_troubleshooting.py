@@ -43,7 +43,7 @@ INTERNAL = {
 # raises whose message is built elsewhere: (module, the raise's expression) -> (the module that holds the text, a
 # passage of it), which the page must quote
 COMPUTED = {
-    ("hf_acco/comm/communicator.py", "gloo_failure(e)"): ("comm/nodes.py", "ACCO could not set up its gloo group"),
+    ("hf_acco/comm/membership.py", "gloo_failure(e)"): ("comm/nodes.py", "ACCO could not set up its gloo group"),
     ("hf_acco/comm/communicator.py", "RuntimeError(message)"): ("engine/core.py", "Ranks disagree on the trainable"),
     ("hf_acco/comm/communicator.py", "RuntimeError(elsewhere)"): ("engine/core.py", "Another rank could not load"),
     ("hf_acco/engine/checkpoint.py", "ValueError(mismatch)"): ("engine/checkpoint.py", "so each rank holds other"),

@@ -1,10 +1,6 @@
-"""Every torch.distributed call of hf_acco: the collectives of one round (the thread and stream a round runs on:
-``runner.py``).
-
-A round uses its **own** process group: the main thread may run collectives on the default group at the same
-time (Trainer gathers metrics, users call barriers), and two threads issuing collectives on one group can
-deadlock (seen in 3 of 3 runs on gloo). ``Communicator`` is created collectively: every rank must construct it
-at the same point, in the same order as its other groups.
+"""The collectives of one round (the thread and stream a round runs on: ``runner.py``), on the round's own process
+groups (``membership.py``: who is in them; ``failures.py``: what a peer's loss is called). ``Communicator`` is
+created collectively: every rank must construct it at the same point, in the same order as its other groups.
 
 Per backend, the reduce-scatter is spelled the way that moves the fewest bytes:
 
@@ -21,10 +17,9 @@ of several ranks each, in two levels (exact inside a machine, int8 between machi
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,27 +27,16 @@ import torch.distributed as dist
 from hf_acco.comm import quant
 from hf_acco.comm.exchange import all_gather_into
 from hf_acco.comm.failures import PeerFailure, is_peer_failure
-from hf_acco.comm.groups import round_group_options
+from hf_acco.comm.membership import Membership
 from hf_acco.comm.nodes import REDUCE_SCATTER as _reduce_scatter
-from hf_acco.comm.nodes import (
-    NodeGroups,
-    destroy_groups,
-    gloo_failure,
-    launcher_layout_agreed,
-    machines,
-    node,
-    node_groups,
-    partition_of,
-    round_collectives,
-    warm_collectives,
-)
+from hf_acco.comm.nodes import node, round_collectives, warm_collectives
 from hf_acco.comm.sharding import FlatLayout
 
 REDUCE_SCATTER_SPELLINGS = ("auto", "native", "all_to_all")
 
 
-class Communicator:
-    """The collectives of one ACCO round, on a dedicated process group.
+class Communicator(Membership):
+    """The collectives of one ACCO round, on the round's own process groups (``Membership``).
 
     Args:
         group: the ranks to train over (``None``: the whole world). A new group over the same ranks is created.
@@ -74,63 +58,18 @@ class Communicator:
     ) -> None:
         if reduce_scatter not in REDUCE_SCATTER_SPELLINGS:
             raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER_SPELLINGS}, got {reduce_scatter!r}")
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised. Launch with `accelerate launch` or `torchrun`, or call "
-                "`torch.distributed.init_process_group` before building the ACCO optimizer."
-            )
-        self._ranks = dist.get_process_group_ranks(group) if group is not None else None
-        self._global_rank = dist.get_rank()
-        self._parts = partition_of(self._ranks)  # every rank's part, when they differ (HSDP's replicate groups)
-        self.timeout = timeout
         self.quantized_gradients = False  # int8 gradients on the wire (use_int8_gradients)
-        self.ranks_per_node = ranks_per_node  # None: the launcher's LOCAL_WORLD_SIZE (nodes.py)
-        self.two_level: NodeGroups | None = None  # int8 gradients on several machines of several ranks
-        self._make_groups(dist.get_backend(group))
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        super().__init__(group, timeout, ranks_per_node)
         self.local_copies = self.world_size == 1 and not collectives_at_world_size_1
         if reduce_scatter == "auto":
             reduce_scatter = "all_to_all" if self.backend == "gloo" else "native"
         self.reduce_scatter_spelling = reduce_scatter
         self._warm_at: tuple[int, torch.dtype] | None = None  # a round's bucket: elements, dtype (prepare_rounds)
         self.max_inflight = max(1, max_inflight)
-        self.in_round = False  # a round of this communicator is running (on the background thread)
 
     def int8_rows(self) -> int:
         """Rows of each bucket this rank quantises: one per rank (a flat all-to-all), or per machine (two levels)."""
         return self.world_size if self.two_level is None else self.two_level.nodes
-
-    def _make_groups(self, backend: str) -> None:
-        """The round's group (and a gloo host group for the counts when the round's is not gloo). Collective: every
-        rank, in the same order as its other groups. With ``group`` a part of the world (the ranks of one FSDP shard
-        index, one per machine), each rank's part differs: every rank makes every part's group (torch's rule for
-        ``new_group``) and keeps its own."""
-        timeout = self.timeout
-        try:
-            options = lambda: round_group_options(backend, timeout)  # noqa: E731  # one object per group
-            self.group = self._new_group(lambda ranks: dist.new_group(ranks, timeout=timeout, pg_options=options()))
-        except (RuntimeError, dist.DistError) as e:
-            if backend != "gloo":
-                raise
-            raise RuntimeError(gloo_failure(e)) from e
-        self.backend = dist.get_backend(self.group)
-        self.weight_group: dist.ProcessGroup | None = None
-        # With FSDP inside machines (this group one part of the world), a world-wide gloo group for the round's two
-        # world-wide sums: the weight (each rank's gradient is its machine's average, so a round divides by the
-        # world's weight over the parts: every part the same divisor) and the gradient's norm (all_reduce_norms)
-        if self._parts is not None:
-            self.weight_group = dist.new_group(None, timeout=timeout, backend="gloo")
-        # The counts of a round go first, on the host (a gloo group; the round's own group on gloo): once they are
-        # in, every rank has launched the round, so its device collectives never wait on a peer that has not.
-        self.host_group = self.group
-        if self.backend != "gloo":
-            try:
-                self.host_group = self._new_group(lambda ranks: dist.new_group(ranks, timeout=timeout, backend="gloo"))
-            except (RuntimeError, dist.DistError) as e:
-                raise RuntimeError(gloo_failure(e)) from e
-        atexit.register(self._destroy_at_exit)
-        self.destroyed = False
 
     def prepare_rounds(self, layout: FlatLayout, dtype: torch.dtype, int8: bool) -> None:
         """Collective, at the engine's construction: int8 gradients' groups (``int8``), then every device
@@ -151,75 +90,16 @@ class Communicator:
             rows = numel // self.two_level.per_node
             warm_collectives(self.backend, self.two_level.rail, ("all_to_all",), rows, torch.int8)
 
-    @property
-    def part(self) -> tuple[int, int] | None:
-        """(which, how many) of the world's parts this rank's group is, when the ranks' groups differ (HSDP: the FSDP
-        shard index, of the machine's ranks); None when every rank shares one group."""
-        if self._parts is None:
-            return None
-        return next(i for i, p in enumerate(self._parts) if self._global_rank in p), len(self._parts)
-
-    def _new_group(self, make: Callable[[list[int] | None], dist.ProcessGroup]) -> dist.ProcessGroup:
-        """``make(ranks)`` for this communicator's ranks (None: the world), or, when ranks differ between ranks (each
-        has its own part of the world), for every part in the order of its lowest rank; this rank's part."""
-        if self._parts is None:
-            return make(self._ranks)
-        mine: dist.ProcessGroup | None = None
-        for part in self._parts:
-            group = make(part)
-            mine = group if self._global_rank in part else mine
-        assert mine is not None  # (partition_of checked that every rank is in a part)
-        return mine
-
-    def destroy(self) -> None:
-        """Release the groups (NCCL communicators, gloo sockets): an engine that is closed holds none, so retries
-        and repeated trainers do not pile them up. ``reopen`` makes new ones."""
-        if self.destroyed:
-            return
-        atexit.unregister(self._destroy_at_exit)
-        self._destroy_at_exit()
-        self.destroyed = True
-
-    def reopen(self) -> None:
-        """New groups after ``destroy`` (collective, like the constructor)."""
-        if self.destroyed:
-            self._make_groups(self.backend)
-            if self.quantized_gradients:
-                self._make_node_groups()
-            self._warm()
+    def _reopened(self) -> None:
+        if self.quantized_gradients:
+            self._make_node_groups()
+        self._warm()
 
     def use_int8_gradients(self) -> None:
         """int8 gradients on the wire (``quant.py``), in two levels on several machines of several ranks each
         (``nodes.py``). Collective: every rank at the same point (the engine's construction)."""
         self.quantized_gradients = True
         self._make_node_groups()
-
-    def _make_node_groups(self) -> None:
-        if self.local_copies or self.two_level is not None or self._parts is not None:
-            return  # (a part of the world, one rank per machine: the flat all-to-all)
-        if self.ranks_per_node is None and not launcher_layout_agreed(self.rank, self.host_group):
-            return
-        nodes, per_node = machines(self.world_size, self.ranks_per_node)
-        if nodes == 1 or per_node == 1:
-            return
-        ranks = self._ranks if self._ranks is not None else list(range(dist.get_world_size()))
-        options = lambda: round_group_options(self.backend, self.timeout)  # one object per group
-        self.two_level = node_groups(ranks, self.rank, nodes, per_node, self.timeout, options)
-
-    def _destroy_at_exit(self) -> None:
-        """Tear the round's group down while Python still runs: a gloo group left to C++ static destruction at
-        exit can abort the process ("terminate called without an active exception") while a peer still works.
-        Not while a round runs (a process failing with its round stuck on a peer): destroying a group under a
-        collective in flight can hang or crash; the process exits with the group as it is."""
-        if self.in_round:
-            return
-        try:
-            if self.two_level is not None:
-                self.two_level.destroy()
-                self.two_level = None
-            destroy_groups(self.host_group, self.weight_group, self.group)
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
-            pass
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
