@@ -121,3 +121,71 @@ def test_the_memory_report_counts_the_kept_commit() -> None:
     padding, which no segment covers, is the only difference)."""
     for held, report, padding in run_ranks(_kept_against_the_report, world_size=2):
         assert report == held + 2 * padding * 4 and held > 0
+
+
+def test_a_first_step_undone_leaves_an_optimizer_that_makes_its_state_as_it_was() -> None:
+    """``Kept.restore`` after the first step of an optimizer whose state the step re-homes into per-element vectors
+    (Adagrad makes ``sum`` in its constructor): the state is as before, and the next step is the step a fresh
+    optimizer takes, bit for bit."""
+    from hf_acco.comm.sharding import Segment
+    from hf_acco.engine.optim import ShardOptimizer
+
+    def shard() -> ShardOptimizer:
+        torch.manual_seed(0)
+        opt = ShardOptimizer(torch.randn(96), [Segment(0, 40, 0, 0), Segment(40, 96, 0, 1)], [{"lr": 0.1}],
+                             torch.optim.Adagrad, {}, piece_numel=48)  # fmt: skip
+        opt.grad.copy_(torch.randn(opt.grad.shape))
+        return opt
+
+    undone, fresh = shard(), shard()
+    before = undone.state_tensors()
+    kept = undone.keep()
+    undone.commit([{"lr": 0.1}])
+    assert not torch.equal(undone.master, fresh.master)
+    kept.restore()
+    after = undone.state_tensors()
+    assert torch.equal(undone.master, fresh.master)
+    assert sorted(after[0]) == sorted(before[0]) and sorted(after[1]) == sorted(before[1])
+    undone.commit([{"lr": 0.1}])
+    fresh.commit([{"lr": 0.1}])
+    assert torch.equal(undone.master, fresh.master)
+    for a, b in zip(undone.state_tensors(), fresh.state_tensors()):
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _mixed_votes(rank: int, world_size: int) -> str:
+    model = tiny_llama()
+    opt = _engine(model, rank == 0, "acco")
+    try:
+        for t in range(2):
+            _step(model, opt, rank, t)
+        opt.synchronize()
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+def test_ranks_that_disagree_on_voting_are_told_all_the_same() -> None:
+    said = run_ranks(_mixed_votes, world_size=2)
+    assert len(set(said)) == 1 and "vote_commits is set on 1 of the 2 ranks" in said[0], said
+
+
+def test_moving_state_needs_a_group_that_moves_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_acco.comm import transfer
+
+    monkeypatch.setattr(transfer.dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="pass a gloo group over the same ranks"):
+        transfer.check_host_group()
+    monkeypatch.setattr(transfer.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    transfer.check_host_group()  # (a world with both: its gloo part moves them)
+
+
+def test_a_layout_read_from_a_checkpoint_resizes_as_a_built_one() -> None:
+    from hf_acco.comm.sharding import FlatLayout
+
+    params = [torch.empty(s) for s in (1000, 333, 77)]
+    built = FlatLayout(params, ["a", "b", "c"], [0, 0, 1], 4, 256)
+    for world in (1, 3, 5):
+        a, b = built.resized(world), FlatLayout.from_meta(built.meta()).resized(world)
+        fresh = FlatLayout(params, ["a", "b", "c"], [0, 0, 1], world, 256)
+        assert (a.chunk, a.num_buckets) == (b.chunk, b.num_buckets) == (fresh.chunk, fresh.num_buckets)

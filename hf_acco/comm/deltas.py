@@ -108,7 +108,8 @@ class ModelPieces:
     def add_into(self, row: torch.Tensor, b: int, r: int) -> None:
         """The model's elements of piece (b, r) += ``row`` ((chunk,) float32), in place: each element computed in
         fp32 and rounded to its parameter's dtype once, the bits of ``(row + model).to(dtype)`` (an IEEE add
-        commutes) without a float32 copy of the model's elements."""
+        commutes) without a float32 copy of the model's elements kept (on a CPU torch's mixed-dtype add makes its own
+        float32 temporaries of a run's size inside the call; a GPU's kernel casts as it reads)."""
         runs = self.runs(b, r)
         if runs:
             targets = [self.params[i].detach().view(-1)[s : s + n] for i, s, n, _ in runs]
@@ -205,7 +206,7 @@ class PackedRound:
     def apply(self, buf: torch.Tensor) -> None:
         """Main thread: the model's piece (b, r) += rank r's dequantised change, every piece, in place (the bits of
         ``plus_change``'s sum rounded to the model's dtype): a change dequantised into one float32 row, reused,
-        then added where the model holds it (two passes over the model's bytes, no copy of them)."""
+        then added where the model holds it (one read and one write of the model's bytes, no copy of them kept)."""
         chunk = self.layout.chunk
         row = torch.empty(1, quant.num_blocks(chunk) * quant.BLOCK, dtype=torch.float32, device=buf.device)
         for b in range(self.layout.num_buckets):

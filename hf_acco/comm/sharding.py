@@ -41,6 +41,14 @@ def auto_bucket_numel(numel: int, backend: str = "gloo") -> int:
     return min(high, max(low, math.ceil(numel / TARGET_BUCKETS)))
 
 
+def _chunking(numel: int, bucket_numel: int, world_size: int) -> tuple[int, int]:
+    """(chunk, num_buckets) for ``numel`` elements in buckets of about ``bucket_numel`` over ``world_size`` ranks:
+    each rank's piece of a bucket a multiple of ``CHUNK_ALIGN`` elements (so maybe fewer buckets)."""
+    buckets = max(1, math.ceil(numel / max(1, bucket_numel)))
+    chunk = CHUNK_ALIGN * max(1, math.ceil(numel / (buckets * world_size * CHUNK_ALIGN)))
+    return chunk, max(1, math.ceil(numel / (world_size * chunk)))
+
+
 @dataclass(frozen=True)
 class Segment:
     """A run of shard elements ``[start, end)`` that belongs to one parameter group (and to one parameter, its index
@@ -88,10 +96,7 @@ class FlatLayout:
         if bucket_numel is None:
             bucket_numel = auto_bucket_numel(self.numel, backend)
         self.bucket_numel = bucket_numel  # as asked (or chosen): buckets of about this many elements (aligned)
-        buckets = max(1, math.ceil(self.numel / max(1, bucket_numel)))
-        chunk = CHUNK_ALIGN * max(1, math.ceil(self.numel / (buckets * world_size * CHUNK_ALIGN)))
-        num_buckets = max(1, math.ceil(self.numel / (world_size * chunk)))  # aligned: maybe fewer
-        self._set_geometry(world_size, chunk, num_buckets)
+        self._set_geometry(world_size, *_chunking(self.numel, bucket_numel, world_size))
 
     @classmethod
     def from_meta(cls, meta: dict) -> FlatLayout:
@@ -109,8 +114,16 @@ class FlatLayout:
 
     def resized(self, world_size: int) -> FlatLayout:
         """These parameters over ``world_size`` ranks with the bucket size this layout was built with: the layout of
-        an engine built with the same settings on that many ranks (the automatic size depends on no world size)."""
-        return FlatLayout(self.params, self.names, self.groups, world_size, self.bucket_numel)
+        an engine built with the same settings on that many ranks (the automatic size depends on no world size).
+        A layout read from a checkpoint (``from_meta``, no parameters) resizes too."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        layout = FlatLayout.__new__(FlatLayout)
+        layout.params = list(self.params)
+        layout._set_entries(self.names, self.groups, list(self.shapes))
+        layout.bucket_numel = self.bucket_numel
+        layout._set_geometry(world_size, *_chunking(self.numel, self.bucket_numel, world_size))
+        return layout
 
     def _set_entries(self, names: Sequence[str], groups: Sequence[int], shapes: list[tuple[int, ...]]) -> None:
         """Each parameter's name, group, shape, size and offset in the flat space."""

@@ -11,6 +11,16 @@ import torch
 import torch.distributed as dist
 
 
+def check_host_group(group: dist.ProcessGroup | None = None) -> None:
+    """Refuse a group that cannot move host tensors point to point (one of NCCL only): the same on every member."""
+    backend = str(dist.get_backend(group))
+    if "gloo" not in backend:
+        raise ValueError(
+            f"Moving optimizer state between ranks sends host tensors, which a {backend} group cannot: pass a gloo "
+            "group over the same ranks (torch.distributed.new_group(ranks, backend='gloo'))."
+        )
+
+
 def member_rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank in ``group`` (the world's: None)."""
     return dist.get_rank(group)

@@ -35,6 +35,7 @@ class Kept:
     @torch.no_grad()
     def restore(self) -> None:
         self.live.copy_(self.master)
+        added = set(self.flat) - self.flat_keys  # per-element vectors the update undone made: they go
         for p in self.params:
             saved = self.state.get(p)
             if saved is None:  # stepped for the first time by the update undone: no state, as before it
@@ -45,9 +46,9 @@ class Kept:
                 del current[key]
             for key, value in saved.items():
                 now = current.get(key)
-                if torch.is_tensor(now) and torch.is_tensor(value) and now.shape == value.shape:
-                    now.copy_(value)
+                if key not in added and torch.is_tensor(now) and torch.is_tensor(value) and now.shape == value.shape:
+                    now.copy_(value)  # (a view of a kept per-element vector stays one)
                 else:
                     current[key] = value
-        for key in set(self.flat) - self.flat_keys:
+        for key in added:  # (the segments hold the kept tensors of that key again, as before the update)
             del self.flat[key]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hf_acco.comm.sharding import FlatLayout
-from hf_acco.comm.transfer import gather_objects, member_rank, send_receive
+from hf_acco.comm.transfer import check_host_group, gather_objects, member_rank, send_receive
 from hf_acco.engine.shard_state import PER_RANK, merge_param_scalars, resharded, runs_from, shard_vectors
 
 
@@ -32,6 +32,7 @@ def reshard_in_memory(
     at a step boundary, host tensors: gloo's point to point). Collective over ``group``; returns None where this
     member leaves. Raises the same error on every member where an old shard is held by none, or the new ranks are
     not 0..R'-1 once each."""
+    check_host_group(group)
     me = member_rank(group)
     heads = {s["rank"]: _head(s) for s in held}
     everyone = gather_objects({"new_rank": new_rank, "heads": heads}, group)
@@ -107,4 +108,11 @@ def _check(everyone: list[dict[str, Any]], holders: dict[int, int], layout: Flat
             f"0..{layout.world_size - 1} once. Give each member that stays its rank in the new group, and None to "
             "one that leaves."
         )
-    layout.check_matches(everyone[holders[0]]["heads"][0]["layout"])
+    first = everyone[holders[0]]["heads"][0]
+    layout.check_matches(first["layout"])
+    odd = sorted(q for r in everyone for q, head in r["heads"].items() if head["dtypes"] != first["dtypes"])
+    if odd:  # (a sender would fail after the others posted their receives)
+        raise ValueError(
+            f"The optimizer shards of old ranks {odd} hold other state vectors than old rank 0's "
+            f"({sorted(first['dtypes'])}): they are not one run's shards. Re-shard the shards of one run."
+        )

@@ -135,6 +135,7 @@ class RoundBody:
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.vote = False  # a commit applied only once every rank has computed its own (``_commit``)
+        self._residual: torch.Tensor | None = None  # voted, with error feedback: the residual before the commit
         self.rank = comm.rank
         self.shard_grad_of = shard_grad_of  # where a round's buffer keeps the shard gradient (None: the shard's own)
         # The global norm's pieces: a run of one parameter in one bucket each. Pieces come in shard order, so a
@@ -205,10 +206,17 @@ class RoundBody:
         numbers = hparam_numbers(hparams)
         mine = numbers if self.rank == 0 else [0.0] * len(numbers)
         flags = list(touched) if touched is not None else [1.0] * len(self.layout.params)
-        total_weight, total_micro_batches, joined, *agreed = comm.all_reduce_counts(local + flags + mine)
+        # (and how many ranks vote their commits: all or none, or the votes would pair with other collectives)
+        counts = comm.all_reduce_counts(local + flags + mine + [float(self.vote)])
+        total_weight, total_micro_batches, joined, *agreed, votes = counts
         skip = frozenset(i for i, f in enumerate(agreed[: len(flags)]) if f == 0.0)
         hparams = with_hparam_numbers(hparams, agreed[len(flags) :])
         everyone_in.set()
+        if votes not in (0.0, float(comm.world_size)):  # the same sum on every rank: all of them raise
+            raise ValueError(
+                f"vote_commits is set on {votes:.0f} of the {comm.world_size} ranks: set it to the same value on "
+                "every rank (before the first step)."
+            )
         if total_weight <= 0:  # the same on every rank: no weight anywhere, so nothing to reduce or update
             norm, skipped = 0.0, self._no_weight(kind, joined)
             self._put(buf, shard.master)  # the committed parameters
@@ -218,6 +226,8 @@ class RoundBody:
             # for the output, and this rank's output pieces once the update has read the gradient
             grad = shard.use_grad(self.shard_grad_of(grads))
             if self.feedback is not None and kind is RoundKind.COMMIT:  # (a Communicator subclass without the
+                if self.vote:  # the residual this commit's rounding replaces, put back if it is voted down
+                    self._residual = self.feedback.residual.clone()
                 comm.reduce_scatter(layout, grads, grad, self.feedback)  # argument still runs the other rounds)
             else:
                 comm.reduce_scatter(layout, grads, grad)
@@ -327,21 +337,29 @@ class RoundBody:
         if not self.vote:
             self.shard.commit(hparams, skip)
             return
-        kept = self.shard.keep()
+        kept, residual, self._residual = None, self._residual, None
+
+        def undo() -> None:
+            if kept is not None:
+                kept.restore()
+            if residual is not None and self.feedback is not None:  # (error feedback's, taken before the round)
+                self.feedback.residual.copy_(residual)
+
         try:
+            kept = self.shard.keep()  # (its copies are this path's largest allocation: inside, to vote no)
             self.shard.commit(hparams, skip)
         except BaseException:  # this rank's own failure (out of memory): the others learn it from the vote
-            kept.restore()
+            undo()
             with contextlib.suppress(Exception):  # (a peer lost too: this rank's own error is the one to say)
                 self.comm.agree(False)
             raise
         try:
             agreed = self.comm.agree(True)
         except BaseException:  # a peer lost: the guard says so
-            kept.restore()
+            undo()
             raise
         if not agreed:
-            kept.restore()
+            undo()
             raise PeerFailure(
                 f"ACCO's commit round was not applied: a peer rank of rank {self.rank} could not complete its update "
                 "(see its error). Every rank keeps the last commit's parameters and optimizer state."

@@ -55,6 +55,7 @@ from hf_acco.tools.wire_pool import residual_bytes, wire_pool
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_STATE_PER_ELEMENT = 2  # exp_avg, exp_avg_sq
 OPTIMIZERS = ("fused", "foreach")  # Trainer's default optim="adamw_torch_fused"; a plain AdamW on CUDA: foreach
+RESIDUAL = "int8 error feedback residual (fp32)"
 
 
 @dataclass
@@ -171,7 +172,7 @@ def engine_memory(
     if error_feedback:
         if not quantized:
             raise ValueError("error_feedback is for int8 gradients (comm_dtype='int8')")
-        persistent["int8 error feedback residual (fp32)"] = residual_bytes(layout, ranks_per_node)
+        persistent[RESIDUAL] = residual_bytes(layout, ranks_per_node)
     window = min(shard, estimate_window(shard))
     # the estimate writes into the round buffer's own pieces: in fp32 straight there, unless they hold the gradient
     # (room "own") or are narrower (a bf16 buffer)
@@ -181,7 +182,8 @@ def engine_memory(
         "round: commit step (the inner optimizer's own temporaries)": shard * fp32 if optimizer == "foreach" else 0,
     }
     if vote_commits:  # (engine/kept.py: the master and every per-element state vector)
-        round_pool["round: the last commit, kept until the ranks agree"] = (1 + state_per_element) * shard * fp32
+        kept = (1 + state_per_element) * shard * fp32  # (and error feedback's residual, as it was before the round)
+        round_pool["round: the last commit, kept until the ranks agree"] = kept + persistent.get(RESIDUAL, 0)
     if schedule == "sync":  # no estimate round
         round_pool.pop("round: Adam estimate windows")
     temporaries = {"main thread at a step boundary (no shard-sized copy)": 0}
