@@ -363,6 +363,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "bench-ab-fsdp-on-cuda": lambda: results_docs.bench_ab_table("408794f_vs_284794d"),
     "bench-ab-fsdp-on-cuda-final": lambda: results_docs.bench_ab_table("408794f_vs_e62cbd1"),
     "bench-ab-voted-commit": lambda: results_docs.bench_ab_table("c5966a9_vs_6f83d24-dirty"),
+    "bench-ab-vote-review": lambda: results_docs.bench_ab_table("3748a3b_vs_65dbcb5"),
     "bench-ab-gloo-all-gather-first": lambda: results_docs.bench_ab_table("691166d_vs_691166d-dirty"),
     "beside-bisect": lambda: results_docs.beside_table(
         "bisect_2026-12-03", ("e6e92b3", "d0dff54", "adbff10", "02600b4")
