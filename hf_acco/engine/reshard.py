@@ -50,7 +50,7 @@ def reshard_in_memory(
     out = {name: torch.zeros(layout.shard_numel, dtype=dtypes[name]) for name in names} if new_rank is not None else {}
     for target in range(layout.world_size):  # every message, in the same order on both of its sides
         by_old: dict[int, list[tuple[int, int, int]]] = {}
-        for old_rank, old_start, start, n in runs_from(first["layout"], layout, target):
+        for old_rank, old_start, start, n in runs_from(first["state"]["layout"], layout, target):
             by_old.setdefault(old_rank, []).append((old_start, start, n))
         for old_rank, runs in sorted(by_old.items()):
             source, dest = holders[old_rank], members[target]
@@ -74,7 +74,7 @@ def reshard_in_memory(
         for _, start, n in runs:
             out[name][start : start + n].copy_(message[at : at + n])
             at += n
-    old_shards = [everyone[holders[q]]["heads"][q] for q in sorted(holders)]
+    old_shards = [everyone[holders[q]]["heads"][q]["state"] for q in sorted(holders)]
     return resharded(first["state"], merge_param_scalars(old_shards), layout, new_rank, out)
 
 
@@ -84,8 +84,6 @@ def _head(state: dict[str, Any]) -> dict[str, Any]:
     small = {k: v for k, v in state.items() if k not in ("master", "model", "optim_state", *PER_RANK)}
     return {
         "state": small | {"optim_state": dict.fromkeys(state["optim_state"])},  # (the names: resharded's keys)
-        "layout": state["layout"],
-        "optim_param_scalars": state.get("optim_param_scalars"),
         "dtypes": {name: get(state).dtype for name, get in shard_vectors(state).items()},
     }
 
@@ -94,7 +92,7 @@ def _check(everyone: list[dict[str, Any]], holders: dict[int, int], layout: Flat
     """The same verdict on every member (each sees every member's record)."""
     if not holders:
         raise ValueError("An in-memory re-shard needs the old ranks' shards, and no member holds any.")
-    world = next(iter(everyone[holders[min(holders)]]["heads"].values()))["layout"]["world_size"]
+    world = next(iter(everyone[holders[min(holders)]]["heads"].values()))["state"]["layout"]["world_size"]
     missing = sorted(set(range(world)) - set(holders))
     if missing:
         raise ValueError(
@@ -109,7 +107,7 @@ def _check(everyone: list[dict[str, Any]], holders: dict[int, int], layout: Flat
             "one that leaves."
         )
     first = everyone[holders[0]]["heads"][0]
-    layout.check_matches(first["layout"])
+    layout.check_matches(first["state"]["layout"])
     odd = sorted(q for r in everyone for q, head in r["heads"].items() if head["dtypes"] != first["dtypes"])
     if odd:  # (a sender would fail after the others posted their receives)
         raise ValueError(
